@@ -1,0 +1,251 @@
+"""EAGLE3 draft head: 3-layer feature fusion + one decoder layer + reduced-vocab head.
+
+Math only (no DDP/DeepSpeed/checkpointing). Parameter names follow the SGLang/SpecForge layout
+(`fc`, `midlayer.*`, `norm`, `lm_head`, buffers `d2t`/`t2d`) so that export is a rename at most.
+
+Conventions (pinned by tests):
+- `aux_layer_ids` = ids of decoder layers whose *input* is captured, i.e. HF `hidden_states[i]`
+  (= output of layer i-1). That is what SGLang/vLLM/llama.cpp mean by
+  `eagle_aux_hidden_state_layer_ids`; their default is `[2, N//2, N-3]`.
+- Training position t sees token x_{t+1} and the target feature f_t and is trained towards the target
+  distribution at t+1 (which predicts x_{t+2}). Step i of the training-time test (TTT) shifts the
+  tokens and targets by i and replaces f_t by the draft's own output hidden state of step i-1.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int] = field(default_factory=list)  # inputs of these decoder layers
+    target_num_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False  # residual = fc output (SpecForge/SGLang), not its norm
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+
+    @staticmethod
+    def default_aux_layer_ids(num_layers: int) -> list[int]:
+        """SGLang/vLLM/llama.cpp default: inputs of layers 2, N//2, N-3."""
+        return [2, num_layers // 2, num_layers - 3]
+
+    @classmethod
+    def from_target(cls, tcfg: Any, draft_vocab_size: int, aux_layer_ids: list[int] | None = None,
+                    **overrides: Any) -> "Eagle3Config":
+        """Size the draft like one decoder layer of the target (the EAGLE3 recipe)."""
+        n = tcfg.num_hidden_layers
+        heads = tcfg.num_attention_heads
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))
+        kw = dict(
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+            vocab_size=tcfg.vocab_size,
+            draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size),
+            target_hidden_size=tcfg.hidden_size,
+            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else cls.default_aux_layer_ids(n),
+            target_num_layers=n,
+            rms_norm_eps=float(tcfg.rms_norm_eps),
+            rope_theta=float(theta),
+            max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
+        )
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Eagle3Attention(nn.Module):
+    """Attention whose q/k/v read the 2H concat [norm(embed); norm(hidden)]."""
+
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(2 * c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, h, T, D]
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        rep = self.c.num_attention_heads // self.c.num_key_value_heads
+        return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.c = c
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Eagle3Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+
+    def pre(self, emb: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (attention input [B, T, 2H], residual [B, T, H])."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.c.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(emb), normed], dim=-1), residual
+
+    def post(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn.o_proj(attn_out) + residual  # [B, T, H]
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    family = "eagle3"
+
+    def __init__(self, c: Eagle3Config) -> None:
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)  # copied from target, frozen
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(len(c.aux_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(c)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool))
+
+    # ---- what the trainer/capture need to know -------------------------------------------------
+    def capture_layer_ids(self) -> list[int]:
+        return list(self.config.aux_layer_ids)
+
+    def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx + self.d2t[idx]
+
+    # ---- training: unrolled training-time test -------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_logits: torch.Tensor,
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int | None = None
+                ) -> dict[str, torch.Tensor]:
+        """TTT loss.
+
+        Args:
+            input_ids: [B, T] target token ids (right-padded).
+            aux_hidden: [B, T, 3*Ht] captured target features.
+            teacher_logits: [B, T, N] target logits restricted to the draft vocab at position j
+                (predicting x_{j+1}); only rows j with loss_mask[j+1] are read.
+            target_argmax: [B, T] full-vocab target argmax at position j (-1 where unknown).
+            loss_mask: [B, T] 1 on assistant tokens.
+        Returns dict with `loss` (scalar), and per step `correct`, `count`, `step_loss` ([K] each).
+        """
+        c = self.config
+        K = ttt_steps or c.ttt_steps
+        B, T = input_ids.shape
+        layer = self.midlayer
+        attn = layer.self_attn
+        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # [B, T, H]
+        causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+        keys: list[torch.Tensor] = []
+        vals: list[torch.Tensor] = []
+        total = hidden.new_zeros(())
+        step_loss, correct, count = [], [], []
+        scale = c.head_dim ** -0.5
+        for i in range(K):
+            ids_i = _shift(input_ids, 1 + i)  # [B, T]  token x_{t+1+i}
+            mask_i = _shift(loss_mask, 2 + i).bool()  # [B, T]  x_{t+2+i} is an assistant token
+            pos = torch.arange(T, device=input_ids.device).expand(B, T) + i  # [B, T]
+            x, residual = layer.pre(self.embed_tokens(ids_i).to(hidden.dtype), hidden)
+            q, k, v = attn.qkv(x, pos)  # [B, h, T, D], [B, kvh, T, D] x2
+            keys.append(attn.expand_kv(k))
+            vals.append(attn.expand_kv(v))
+            # scores vs step-0 keys (causal) and the diagonal of every later step's keys
+            s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, T, T]
+            s0 = s0.masked_fill(~causal, float("-inf"))
+            sd = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # i x [B, h, T, 1]
+            p = torch.cat([s0, *sd], dim=-1).float().softmax(-1).to(q.dtype)  # [B, h, T, T+i]
+            o = p[..., :T] @ vals[0]  # [B, h, T, D]
+            for j, vj in enumerate(vals[1:]):
+                o = o + p[..., T + j: T + j + 1] * vj
+            o = o.transpose(1, 2).reshape(B, T, -1)  # [B, T, h*D]
+            hidden = layer.post(o, residual)  # [B, T, H]
+
+            b_idx, t_idx = mask_i.nonzero(as_tuple=True)  # M rows with a target to match
+            logits = self.lm_head(self.norm(hidden[b_idx, t_idx])).float()  # [M, N]
+            teach = teacher_logits[b_idx, t_idx + 1 + i].float()  # [M, N]
+            tgt = target_argmax[b_idx, t_idx + 1 + i]  # [M]
+            in_vocab = self.t2d[tgt.clamp(min=0)] & (tgt >= 0)  # target argmax representable by the draft
+            ce = -(teach.softmax(-1) * logits.log_softmax(-1)).sum(-1)  # [M]
+            n = max(int(b_idx.numel()), 1)
+            li = (ce * in_vocab).sum() / n
+            total = total + (c.step_decay ** i) * li
+            step_loss.append(li.detach())
+            pred = self.draft_to_target(logits.argmax(-1))
+            correct.append((pred == tgt).sum())
+            count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
+        return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
+                "count": torch.stack(count).float()}
+
+    # ---- inference: one pass of the decoder layer with a KV cache ------------------------------
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[.., 3*Ht] target features -> [.., H] draft hidden input."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               past_kv: tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Run the draft layer on T new positions.
+
+        Args:
+            input_ids: [B, T] tokens x_{t+1} paired with `hidden` (fused target feature or the draft's
+                previous output hidden state) at the same position.
+            hidden: [B, T, H]; positions: [B, T] rope positions.
+            past_kv: cached (k, v) each [B, kvh, S, D] (un-expanded), or None.
+            attn_mask: bool [B, 1, T, S+T], True = may attend. Default: all past + causal among new.
+        Returns (draft-vocab logits [B, T, N], output hidden [B, T, H], (k, v) with the new entries).
+        """
+        layer = self.midlayer
+        attn = layer.self_attn
+        B, T = input_ids.shape
+        x, residual = layer.pre(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
+        q, k, v = attn.qkv(x, positions)
+        if past_kv is not None:
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
+        S = k.shape[2]
+        if attn_mask is None:
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+        o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attn_mask)
+        out = layer.post(o.transpose(1, 2).reshape(B, T, -1), residual)
+        return self.lm_head(self.norm(out)), out, (k, v)
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t] <- x[:, t+n], zero-filled on the right."""
+    if n == 0:
+        return x
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out

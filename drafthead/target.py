@@ -1,0 +1,156 @@
+"""The frozen target: loading (HF dir / hub id / GGUF / built-in names) and hidden-state capture.
+
+Capture uses forward hooks on the chosen decoder layers, never `output_hidden_states` of every layer.
+Layer id convention: id `i` captures the *input* of decoder layer `i` (= HF `hidden_states[i]`, the
+output of layer i-1), which is what SGLang, vLLM and llama.cpp mean by
+`eagle_aux_hidden_state_layer_ids`. The "last hidden state" is the output of the final norm, i.e.
+what the target's `lm_head` reads, so teacher logits can be recomputed from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from drafthead.assets import ASSETS, asset_path
+
+BUILTIN_TARGETS = {"smollm2-135m-instruct"}
+
+
+@dataclass
+class Target:
+    model: nn.Module  # HF causal LM, frozen, eval mode
+    tokenizer: Any
+    name_or_path: str
+    gguf_file: str | None = None
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    def info(self) -> dict:
+        c = self.model.config
+        return {"name_or_path": self.name_or_path, "gguf_file": self.gguf_file,
+                "architecture": (getattr(c, "architectures", None) or [type(self.model).__name__])[0],
+                "model_type": c.model_type, "num_hidden_layers": c.num_hidden_layers,
+                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+
+
+def resolve_target(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """Map built-in names and `.gguf` paths to (directory or hub id, gguf file name or None)."""
+    if name_or_path in BUILTIN_TARGETS:
+        p = asset_path(name_or_path)
+        return str(p.parent), p.name
+    p = Path(name_or_path)
+    if p.suffix == ".gguf":
+        if not p.is_file():
+            raise FileNotFoundError(f"target GGUF not found: {p}")
+        return str(p.parent), p.name
+    return name_or_path, gguf_file
+
+
+def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "auto",
+                device: str | torch.device = "cpu") -> Target:
+    """Load a frozen target once. dtype 'auto' = bf16 on CUDA, fp32 on CPU."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, gguf = resolve_target(name_or_path, gguf_file)
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    kw = {"gguf_file": gguf} if gguf else {}
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw)
+    return freeze(Target(model.to(device), tok, name_or_path, gguf))
+
+
+def freeze(target: Target) -> Target:
+    target.model.eval()
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    if target.tokenizer is not None and target.tokenizer.pad_token_id is None:
+        target.tokenizer.pad_token = target.tokenizer.eos_token
+    return target
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    if not hasattr(base, "layers"):
+        raise TypeError(f"{type(model).__name__}: no decoder layer list at .model.layers")
+    return base.layers
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    return getattr(model, "model", model)
+
+
+def lm_head_weight(model: nn.Module) -> torch.Tensor:
+    return model.get_output_embeddings().weight  # [V, H]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"capture layer ids {bad} out of range: the target has {num_layers} decoder layers "
+                         f"(ids are inputs of layers 0..{num_layers - 1})")
+
+
+@torch.no_grad()
+def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+            layer_ids: list[int], dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """One target forward with hooks.
+
+    Returns (aux [B, T, len(layer_ids)*H] or None when no ids, last [B, T, H]) in `dtype` (default:
+    the model's). The lm_head is not run.
+    """
+    layers = decoder_layers(model)
+    check_layer_ids(layer_ids, len(layers))
+    grabbed: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i in sorted(set(layer_ids)):
+        def pre(mod, args, kwargs, i=i):
+            grabbed[i] = (args[0] if args else kwargs["hidden_states"])
+        hooks.append(layers[i].register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        out = base_model(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    last = out.last_hidden_state  # [B, T, H] after the final norm
+    dtype = dtype or last.dtype
+    aux = torch.cat([grabbed[i] for i in layer_ids], dim=-1).to(dtype) if layer_ids else None  # [B, T, 3H]
+    return aux, last.to(dtype)
+
+
+class TargetHead(nn.Module):
+    """Frozen target lm_head, for teacher logits restricted to the draft vocab and the full argmax."""
+
+    def __init__(self, lm_head: torch.Tensor, draft_token_ids: torch.Tensor, chunk: int = 4096) -> None:
+        super().__init__()
+        self.register_buffer("weight", lm_head.detach().clone(), persistent=False)  # [V, H]
+        self.register_buffer("draft_ids", draft_token_ids.long().clone(), persistent=False)  # [N]
+        self.chunk = chunk
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [M, H] -> (logits over draft vocab [M, N] fp32, full-vocab argmax [M])."""
+        h = hidden.to(self.weight.dtype)
+        draft_w = self.weight[self.draft_ids]  # [N, H]
+        logits, argmax = [], []
+        for s in range(0, h.shape[0], self.chunk):
+            hc = h[s: s + self.chunk]
+            argmax.append((hc @ self.weight.T).argmax(-1))  # [m]
+            logits.append((hc @ draft_w.T).float())  # [m, N]
+        if not logits:
+            return h.new_zeros(0, self.draft_ids.numel(), dtype=torch.float32), h.new_zeros(0, dtype=torch.long)
+        return torch.cat(logits), torch.cat(argmax)
