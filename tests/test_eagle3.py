@@ -1,0 +1,123 @@
+"""EAGLE3 drafter math: TTT mask shape and causality, training/inference parity, vocab mapping."""
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from drafthead.eagle3 import Eagle3Config, Eagle3Drafter, _shift
+from drafthead.vocab import build_vocab_mapping, draft_ids, target_to_draft
+
+V, H = 96, 32
+
+
+def tiny_drafter(ttt: int = 3, seed: int = 0, n_draft: int = 64) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    tcfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256)
+    c = Eagle3Config.from_target(tcfg, draft_vocab_size=n_draft, aux_layer_ids=[1, 2, 3], ttt_steps=ttt)
+    m = Eagle3Drafter(c)
+    torch.nn.init.normal_(m.embed_tokens.weight, std=0.5)
+    d2t, t2d = build_vocab_mapping(torch.arange(V).flip(0).clone(), n_draft)
+    m.d2t.copy_(d2t)
+    m.t2d.copy_(t2d)
+    return m.eval()
+
+
+def test_d2t_t2d_round_trip():
+    counts = torch.randint(0, 100, (500,))
+    d2t, t2d = build_vocab_mapping(counts, 128)
+    ids = draft_ids(d2t)
+    assert d2t.dtype == torch.long and t2d.dtype == torch.bool
+    assert t2d.sum() == 128 and t2d[ids].all()
+    assert torch.equal(target_to_draft(t2d)[ids], torch.arange(128))
+    assert (ids.diff() > 0).all()  # sorted by target id
+    top = torch.sort(-counts, stable=True).indices[:128]
+    assert set(ids.tolist()) == set(top.tolist())  # the most frequent tokens
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_vocab_mapping(counts, 501)
+
+
+def test_default_aux_layer_ids_match_serving_engines():
+    # SGLang / vLLM / llama.cpp default: inputs of layers 2, N//2, N-3
+    assert Eagle3Config.default_aux_layer_ids(30) == [2, 15, 27]
+    assert Eagle3Config.default_aux_layer_ids(36) == [2, 18, 33]
+
+
+def _batch(m: Eagle3Drafter, B: int = 2, T: int = 12, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * H, generator=g)
+    teacher = torch.randn(B, T, m.config.draft_vocab_size, generator=g)
+    tgt = draft_ids(m.d2t)[teacher.argmax(-1)]
+    mask = torch.ones(B, T, dtype=torch.long)
+    return ids, aux, teacher, tgt, mask
+
+
+def test_ttt_matches_inference_decode():
+    """Step i of the unrolled training-time test == chain step i of the KV-cached inference path."""
+    m = tiny_drafter(ttt=3)
+    ids, aux, teacher, tgt, mask = _batch(m, B=1, T=10)
+    T = ids.shape[1]
+    # training path: capture the per-step hidden states through a forward hook on the final norm
+    seen = []
+    h = m.norm.register_forward_hook(lambda mod, a, out: seen.append(a[0].detach()))
+    m(ids, aux, teacher, tgt, mask)
+    h.remove()
+    # inference path, for one position t: prefix entries s <= t, then chain steps
+    t = 4
+    hidden = m.fuse(aux[:, : t + 1])
+    pos = torch.arange(t + 1)[None]
+    _, out, kv = m.decode(ids[:, 1: t + 2], hidden, pos)
+    h_prev = out[:, -1:]
+    # training step-0 rows are gathered over positions with mask[t+2]; position t is row t here (all ones)
+    step0 = seen[0]
+    assert torch.allclose(step0[t], m.norm.weight * 0 + step0[t])  # row exists
+    ref0 = m.norm(out[0, -1])
+    assert torch.allclose(m.norm(step0[t]), ref0, atol=1e-5)
+    for i in range(1, 3):
+        _, out_i, kv = m.decode(ids[:, t + 1 + i: t + 2 + i], h_prev, torch.tensor([[t + i]]), past_kv=kv)
+        n_rows = T - 2 - i  # valid positions at step i
+        assert seen[i].shape[0] == n_rows
+        assert torch.allclose(seen[i][t], out_i[0, 0], atol=1e-5), f"step {i}"
+        h_prev = out_i
+
+
+def test_ttt_causality_future_tokens_do_not_leak():
+    m = tiny_drafter(ttt=3)
+    ids, aux, teacher, tgt, mask = _batch(m, B=1, T=14)
+    seen_a, seen_b = [], []
+    h = m.norm.register_forward_hook(lambda mod, a, out: seen_a.append(a[0].detach()))
+    m(ids, aux, teacher, tgt, mask)
+    h.remove()
+    ids2, aux2 = ids.clone(), aux.clone()
+    ids2[:, 9:] = (ids2[:, 9:] + 7) % V  # change the future from position 9 on
+    aux2[:, 9:] += 1.0
+    h = m.norm.register_forward_hook(lambda mod, a, out: seen_b.append(a[0].detach()))
+    m(ids2, aux2, teacher, tgt, mask)
+    h.remove()
+    for i in range(3):
+        # step i at position t reads tokens up to t+1+i and features up to t
+        safe = 9 - 2 - i
+        assert torch.allclose(seen_a[i][: safe + 1], seen_b[i][: safe + 1], atol=1e-6), f"step {i} leaks"
+        assert not torch.allclose(seen_a[i][safe + 2:], seen_b[i][safe + 2:])
+
+
+def test_loss_mask_and_accuracy():
+    m = tiny_drafter(ttt=2)
+    ids, aux, teacher, tgt, mask = _batch(m, B=2, T=10)
+    mask[:, :5] = 0
+    out = m(ids, aux, teacher, tgt, mask)
+    # step i counts positions t with mask[t+2+i] == 1: t in 3..7 (i=0), 2..6 (i=1): 5 per row each
+    assert out["count"].tolist() == [2 * 5, 2 * 5]
+    mask2 = mask.clone()
+    mask2[:, -1] = 0  # the last token unsupervised: step 1 loses position 6, step 0 position 7
+    assert m(ids, aux, teacher, tgt, mask2)["count"].tolist() == [2 * 4, 2 * 4]
+    assert 0 <= out["correct"][0] <= out["count"][0]
+    out["loss"].backward()
+    assert m.fc.weight.grad is not None and m.embed_tokens.weight.grad is None
+    assert torch.isfinite(out["loss"])
+
+
+def test_shift():
+    x = torch.arange(6).view(1, 6)
+    assert _shift(x, 2).tolist() == [[2, 3, 4, 5, 0, 0]]
+    assert _shift(x, 7).tolist() == [[0] * 6]

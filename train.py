@@ -1,0 +1,196 @@
+"""Train a speculative-decoding draft head for a frozen target.
+
+    python train.py                                          # embedded default: eagle3_smollm2, 1 CPU process
+    python train.py recipe=eagle3_smollm2 data.max_samples=16 train.max_steps=4
+    torchrun --nproc_per_node 8 train.py recipe=eagle3_qwen  # GPU node, DeepSpeed ZeRO-2
+    torchrun --nproc_per_node 2 train.py train.deepspeed=zero2   # CPU: DS_ACCELERATOR=cpu is set for you
+    torchrun --nnodes 2 --node_rank R --master_addr HOST --nproc_per_node 8 train.py recipe=eagle3_llama
+
+Reads top to bottom: config -> distributed -> frozen target -> data -> draft vocab -> drafter ->
+features (online or offline) -> engine (DDP / DeepSpeed) -> resume -> loop -> final draft.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
+
+from drafthead.registry import build_drafter, save_draft
+from drafthead.target import TargetHead, load_target, lm_head_weight
+from drafthead.vocab import build_vocab_mapping, count_tokens, draft_ids
+from drafthead.eagle3 import Eagle3Config
+from trainer import loop as L
+from trainer.capture import ShardedFeatures, capture_offline
+from trainer.config import as_dict, parse_or_exit, to_yaml
+from trainer.prepare import feature_dtype, prepare_samples
+from drafthead.io import atomic_write_bytes
+from trainer.data import write_jsonl
+
+
+def main(argv: list[str]) -> Path:
+    # --- config and distributed -----------------------------------------------------------------
+    cfg = parse_or_exit(argv)
+    d = L.init_distributed()
+    if cfg.train.num_threads:
+        torch.set_num_threads(cfg.train.num_threads)
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(cfg.output_dir)
+    log = print if d.main else (lambda *a, **k: None)
+    if d.main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(run_dir / "config.yaml", to_yaml(cfg).encode())  # the resolved recipe
+    L.barrier(d)
+    t_start = time.perf_counter()
+
+    # --- frozen target (loaded once per process) -------------------------------------------------
+    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype, d.device)
+    log(f"target: {cfg.target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, "
+        f"vocab {target.config.vocab_size}) on {d.device}, world size {d.world}")
+
+    # --- data ------------------------------------------------------------------------------------
+    prep = prepare_samples(cfg, target, d, run_dir, log)
+    if d.main:
+        write_jsonl(prep.heldout_convs, run_dir / "heldout.jsonl")
+
+    # --- draft vocabulary from loss-masked training tokens ----------------------------------------
+    counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in prep.train), target.config.vocab_size)
+    d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
+    covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
+    log(f"draft vocab: {d2t.numel()} tokens cover {covered:.1%} of {counts.sum().item()} assistant tokens")
+
+    # --- drafter ---------------------------------------------------------------------------------
+    dcfg = Eagle3Config.from_target(target.config, d2t.numel(), cfg.capture.layer_ids,
+                                    intermediate_size=cfg.drafter.intermediate_size,
+                                    ttt_steps=cfg.drafter.ttt_steps, step_decay=cfg.drafter.step_decay)
+    drafter = build_drafter(cfg.drafter.family, dcfg)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+    drafter.to(d.device).train()
+    head = TargetHead(lm_head_weight(target.model), draft_ids(d2t)).to(d.device)
+    layer_ids = drafter.capture_layer_ids()
+    feat_dtype = feature_dtype(cfg.capture.dtype)
+    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    log(f"drafter: {cfg.drafter.family}, {n_params / 1e6:.1f}M trainable params, aux layers {layer_ids}, "
+        f"TTT {dcfg.ttt_steps} steps")
+
+    # --- features: online (captured in the step) or offline (sharded safetensors) -----------------
+    offline = cfg.capture.mode == "offline"
+    if offline:
+        cap_dir = Path(cfg.capture.dir or run_dir / "capture")
+        if d.main:
+            capture_offline(target, prep.train, cap_dir, layer_ids, feat_dtype, cfg.capture.shard_samples,
+                            cfg.capture.batch_tokens, progress=cfg.logging.progress)
+        L.barrier(d)
+        feats = ShardedFeatures(cap_dir)
+        items, lengths = feats, feats.lengths
+    else:
+        items, lengths = prep.train, [len(s["input_ids"]) for s in prep.train]
+    eval_items = prep.heldout[: cfg.train.eval_samples or len(prep.heldout)]
+    eval_items = eval_items[d.rank:: d.world]
+    eval_batches = [L.make_batch(eval_items[i: i + cfg.train.batch_size], target, layer_ids, feat_dtype, False,
+                                 d.device) for i in range(0, len(eval_items), cfg.train.batch_size)]
+
+    # --- engine: plain / DDP / DeepSpeed ---------------------------------------------------------
+    per_epoch = len(L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, 0, d.world, d.rank,
+                                    cfg.train.batch_tokens))
+    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * per_epoch / cfg.train.grad_accum))
+    engine = L.build_engine(drafter, cfg, total_steps, d)
+    logger = L.Logger(run_dir, cfg, d, as_dict(cfg))
+
+    # --- resume ----------------------------------------------------------------------------------
+    state = {"epoch": 0, "batch_in_epoch": 0, "tokens_seen": 0}
+    step = 0
+    ckpts = L.list_checkpoints(run_dir)
+    resume = str(cfg.train.resume).lower()
+    if resume == "true" and not ckpts:
+        raise SystemExit(f"error: train.resume=true but {run_dir}/checkpoints has no checkpoint")
+    if resume in ("auto", "true") and ckpts:
+        state = L.load_checkpoint(ckpts[-1], engine, d)
+        step = state["step"]
+        log(f"resumed from {ckpts[-1]} (step {step}, epoch {state['epoch']}, batch {state['batch_in_epoch']})")
+
+    # --- training loop ---------------------------------------------------------------------------
+    from tqdm import tqdm
+
+    bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (d.main and cfg.logging.progress),
+               dynamic_ncols=True)
+    tput = L.Throughput()
+    K = dcfg.ttt_steps
+    acc_c, acc_n, loss_sum, n_micro = torch.zeros(K), torch.zeros(K), 0.0, 0
+    last_eval: dict = {}
+    stop_after = cfg.train.stop_after_steps
+    steps_this_process = 0
+    done = step >= total_steps
+    while not done:
+        batches = L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, state["epoch"], d.world, d.rank,
+                                  cfg.train.batch_tokens)
+        for bi in range(state["batch_in_epoch"], len(batches)):
+            batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline, d.device)
+            with L.autocast(cfg.train.dtype, d.device, engine.kind):
+                out = engine.forward(**L.drafter_inputs(batch, head))
+            engine.backward(out["loss"])
+            ntok = int(batch["attention_mask"].sum())
+            tput.add(ntok)
+            state["tokens_seen"] += ntok
+            acc_c += out["correct"].detach().cpu()
+            acc_n += out["count"].detach().cpu()
+            loss_sum += float(out["loss"].detach())
+            n_micro += 1
+            if not engine.step():
+                continue
+            step += 1
+            steps_this_process += 1
+            state.update(epoch=state["epoch"], batch_in_epoch=bi + 1)
+            bar.update(1)
+            if step % cfg.logging.log_every == 0 or step == total_steps:
+                c, n = L.all_reduce_sum(acc_c, d), L.all_reduce_sum(acc_n, d)
+                acc = (c / n.clamp(min=1)).tolist()
+                row = {"step": step, "epoch": state["epoch"] + (bi + 1) / len(batches), "loss": loss_sum / n_micro,
+                       "lr": engine.lr(), **{f"acc_{i}": a for i, a in enumerate(acc)},
+                       "tokens_per_s": tput.rate() * d.world, "tokens_seen": state["tokens_seen"] * d.world}
+                logger.log(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                acc_c.zero_(), acc_n.zero_()
+                loss_sum, n_micro = 0.0, 0
+            if eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == total_steps):
+                last_eval = L.evaluate(engine.module, eval_batches, head, d)
+                logger.log({"step": step, **last_eval})
+                log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
+                    f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
+            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
+                    stop_after and steps_this_process >= stop_after):
+                L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints)
+            if step >= total_steps or (stop_after and steps_this_process >= stop_after):
+                done = True
+                break
+        else:
+            state.update(epoch=state["epoch"] + 1, batch_in_epoch=0)
+    bar.close()
+    logger.close()
+
+    # --- final draft -----------------------------------------------------------------------------
+    final = run_dir / "final"
+    if step >= total_steps:
+        if d.main:
+            save_draft(engine.module, final, target.info(),
+                       extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.world,
+                                        "recipe": cfg.recipe, "wall_s": round(time.perf_counter() - t_start, 1),
+                                        **last_eval}})
+            log(f"\ndraft saved to {final}\nnext: drafthead eval draft={final} dataset=mt_bench max_prompts=10")
+    else:
+        log(f"\nstopped at step {step} of {total_steps}; run the same command again to resume")
+    L.barrier(d)
+    return final
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,245 @@
+"""Target hidden-state capture: one function for both modes.
+
+- Online: `features_for_batch` runs inside the training step.
+- Offline: `capture_offline` writes sharded safetensors + `manifest.json`; `ShardedFeatures` reads them.
+  Both go through `features_for_batch`, so offline and online give identical features (tested).
+
+Shard `shard_{k:05d}.safetensors` holds samples [k*S, (k+1)*S) of the (deterministic) sample list,
+flattened over tokens: `input_ids` int32 [Ntok], `loss_mask` uint8 [Ntok], `aux` [Ntok, L*H],
+`last` [Ntok, H] (capture dtype), `offsets` int64 [n+1]. Teacher logits are not stored: they are
+recomputed from `last` with the frozen target head. Shards are written atomically and the manifest
+(with sha256 and byte counts) is rewritten after each shard, so a killed capture resumes at the first
+missing shard without duplicating or losing samples.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from drafthead.io import atomic_write_json, clean_stale_tmp
+from drafthead.target import Target, capture
+
+MANIFEST = "manifest.json"
+FORMAT = "drafthead-capture-1"
+
+
+def collate(samples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad token lists. -> input_ids, loss_mask, attention_mask [B, T]."""
+    T = max(len(s["input_ids"]) for s in samples)
+    B = len(samples)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[b, :n] = torch.as_tensor(s["input_ids"])
+        mask[b, :n] = torch.as_tensor(s["loss_mask"])
+        attn[b, :n] = 1
+    return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn}
+
+
+def features_for_batch(target: Target, batch: dict[str, torch.Tensor], layer_ids: list[int],
+                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Add `aux` [B, T, L*H] and `last` [B, T, H] (in `dtype`) to a collated batch."""
+    dev = next(target.model.parameters()).device
+    aux, last = capture(target.model, batch["input_ids"].to(dev), batch["attention_mask"].to(dev), layer_ids,
+                        dtype=dtype)
+    out = dict(batch)
+    out["aux"], out["last"] = aux, last
+    return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+def read_manifest(folder: str | Path) -> dict | None:
+    p = Path(folder) / MANIFEST
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CaptureError(f"{p}: manifest is not valid JSON ({e})") from None
+
+
+def verify_shards(folder: str | Path, manifest: dict, checksum: bool = True) -> None:
+    """Raise CaptureError naming the first missing, truncated or corrupted shard."""
+    folder = Path(folder)
+    for sh in manifest["shards"]:
+        p = folder / sh["file"]
+        if not p.exists():
+            raise CaptureError(f"capture shard missing: {p}")
+        size = p.stat().st_size
+        if size != sh["bytes"]:
+            raise CaptureError(f"capture shard truncated or changed: {p} has {size} bytes, manifest says {sh['bytes']}")
+        if checksum and _sha256(p) != sh["sha256"]:
+            raise CaptureError(f"capture shard corrupted: {p} (sha256 mismatch)")
+
+
+def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, layer_ids: list[int],
+                    dtype: torch.dtype = torch.bfloat16, shard_samples: int = 256, batch_tokens: int = 4096,
+                    progress: bool = True) -> dict:
+    """Capture features for `samples` into `out_dir`, resuming where a previous run stopped."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    clean_stale_tmp(out)
+    spec = {"format": FORMAT, "target": target.info(), "layer_ids": list(layer_ids), "dtype": str(dtype).split(".")[-1],
+            "hidden_size": target.hidden_size, "num_samples": len(samples), "shard_samples": shard_samples,
+            "sample_ids": _ids_digest(samples)}
+    manifest = read_manifest(out)
+    if manifest is not None:
+        for k in ("format", "layer_ids", "dtype", "hidden_size", "num_samples", "shard_samples", "sample_ids"):
+            if manifest.get(k) != spec[k]:
+                raise CaptureError(f"{out}: existing capture was made with {k}={manifest.get(k)!r}, this run has "
+                                   f"{spec[k]!r}; use another capture.dir or delete it")
+        verify_shards(out, manifest, checksum=False)
+    else:
+        manifest = {**spec, "shards": [], "complete": False}
+    done = {sh["first_sample"] for sh in manifest["shards"]}
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer is not None else 0
+    todo = [s for s in range(0, len(samples), shard_samples) if s not in done]
+    n_tok_total = sum(len(s["input_ids"]) for s in samples)
+    bar = tqdm(total=n_tok_total, unit="tok", desc="capture", disable=not progress, dynamic_ncols=True)
+    bar.update(sum(sh["num_tokens"] for sh in manifest["shards"]))
+    for first in todo:
+        chunk = samples[first: first + shard_samples]
+        tensors = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar)
+        name = f"shard_{first // shard_samples:05d}.safetensors"
+        tmp = out / f".{name}.tmp-w"
+        save_file(tensors, str(tmp), metadata={"ids": json.dumps([s["id"] for s in chunk])})
+        tmp.replace(out / name)
+        p = out / name
+        manifest["shards"].append({"file": name, "first_sample": first, "num_samples": len(chunk),
+                                   "num_tokens": int(tensors["input_ids"].numel()), "bytes": p.stat().st_size,
+                                   "sha256": _sha256(p)})
+        manifest["shards"].sort(key=lambda s: s["first_sample"])
+        atomic_write_json(out / MANIFEST, manifest)
+    bar.close()
+    manifest["complete"] = True
+    manifest["num_tokens"] = sum(sh["num_tokens"] for sh in manifest["shards"])
+    atomic_write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+def _ids_digest(samples: list[dict]) -> str:
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(str(s["id"]).encode() + b"\0" + str(len(s["input_ids"])).encode() + b"\n")
+    return h.hexdigest()[:16]
+
+
+def _capture_chunk(target: Target, chunk: list[dict], layer_ids: list[int], dtype: torch.dtype,
+                   batch_tokens: int, pad_id: int, bar: tqdm) -> dict[str, torch.Tensor]:
+    order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["input_ids"]))  # less padding
+    per_sample: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    i = 0
+    while i < len(order):
+        j, longest = i, 0
+        while j < len(order) and max(longest, len(chunk[order[j]]["input_ids"])) * (j - i + 1) <= max(
+                batch_tokens, len(chunk[order[i]]["input_ids"])):
+            longest = max(longest, len(chunk[order[j]]["input_ids"]))
+            j += 1
+        idx = order[i:j]
+        batch = features_for_batch(target, collate([chunk[k] for k in idx], pad_id), layer_ids, dtype)
+        for b, k in enumerate(idx):
+            n = len(chunk[k]["input_ids"])
+            per_sample[k] = (batch["aux"][b, :n].cpu(), batch["last"][b, :n].cpu())
+            bar.update(n)
+        i = j
+    lens = [len(s["input_ids"]) for s in chunk]
+    offsets = torch.zeros(len(chunk) + 1, dtype=torch.long)
+    offsets[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return {
+        "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in chunk]),
+        "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in chunk]),
+        "aux": torch.cat([per_sample[k][0] for k in range(len(chunk))]).contiguous(),
+        "last": torch.cat([per_sample[k][1] for k in range(len(chunk))]).contiguous(),
+        "offsets": offsets,
+    }
+
+
+class ShardedFeatures:
+    """Random access to captured samples: `feats[i]` -> dict(input_ids, loss_mask, aux, last)."""
+
+    def __init__(self, folder: str | Path, checksum: bool = True) -> None:
+        self.folder = Path(folder)
+        m = read_manifest(self.folder)
+        if m is None:
+            raise CaptureError(f"{self.folder}: no {MANIFEST}; run `drafthead capture` first")
+        if not m.get("complete"):
+            raise CaptureError(f"{self.folder}: capture is incomplete ({len(m['shards'])} shards); rerun "
+                               f"`drafthead capture` with the same recipe to resume it")
+        verify_shards(self.folder, m, checksum=checksum)
+        self.manifest = m
+        self.layer_ids = m["layer_ids"]
+        self._handles: dict[str, Any] = {}
+        self._index: list[tuple[str, int, int]] = []  # (file, start, end) per sample
+        self.lengths: list[int] = []
+        for sh in m["shards"]:
+            with safe_open(str(self.folder / sh["file"]), "pt") as f:
+                offsets = f.get_tensor("offsets").tolist()
+            for a, b in zip(offsets[:-1], offsets[1:]):
+                self._index.append((sh["file"], a, b))
+                self.lengths.append(b - a)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        file, a, b = self._index[i]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.folder / file), "pt")
+        f = self._handles[file]
+        return {k: f.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", "aux", "last")}
+
+
+def collate_features(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad captured samples into a batch with aux/last."""
+    batch = collate([{"input_ids": it["input_ids"].long(), "loss_mask": it["loss_mask"].long()} for it in items],
+                    pad_id)
+    B, T = batch["input_ids"].shape
+    aux = items[0]["aux"].new_zeros(B, T, items[0]["aux"].shape[-1])
+    last = items[0]["last"].new_zeros(B, T, items[0]["last"].shape[-1])
+    for b, it in enumerate(items):
+        n = it["input_ids"].shape[0]
+        aux[b, :n], last[b, :n] = it["aux"], it["last"]
+    batch["aux"], batch["last"] = aux, last
+    return batch
+
+
+def main(argv: list[str]) -> int:
+    """`drafthead capture [recipe=NAME] key=value ...`: offline capture for a recipe (resumable)."""
+    from drafthead.eagle3 import Eagle3Config
+    from drafthead.target import check_layer_ids, load_target
+    from trainer.config import parse_or_exit
+    from trainer.loop import Dist
+    from trainer.prepare import feature_dtype, prepare_samples
+
+    cfg = parse_or_exit(argv)
+    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
+    run_dir = Path(cfg.output_dir)
+    prep = prepare_samples(cfg, target, Dist(), run_dir)
+    layer_ids = cfg.capture.layer_ids or Eagle3Config.default_aux_layer_ids(target.num_layers)
+    check_layer_ids(layer_ids, target.num_layers)
+    out = Path(cfg.capture.dir or run_dir / "capture")
+    m = capture_offline(target, prep.train, out, layer_ids, feature_dtype(cfg.capture.dtype),
+                        cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress)
+    print(f"captured {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards -> {out}\n"
+          f"next: python train.py recipe={cfg.recipe} capture.mode=offline capture.dir={out}")
+    return 0

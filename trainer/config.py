@@ -1,0 +1,212 @@
+"""Recipes: YAML over typed dataclasses, with `key.sub=value` overrides (lingua style).
+
+`load_config(["recipe=eagle3_smollm2", "train.max_steps=4"])` merges, in order: dataclass defaults,
+`recipes/<name>.yaml`, dotted overrides. Unknown or mistyped keys exit with the key named and the
+closest valid one.
+"""
+from __future__ import annotations
+
+import difflib
+import sys
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+DEFAULT_RECIPE = "eagle3_smollm2"
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = "smollm2-135m-instruct"  # built-in name, HF dir / hub id, or a .gguf path
+    gguf_file: str | None = None
+    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = False
+    fraction: float = 1.0  # share of training conversations whose answers the target rewrites
+    max_new_tokens: int = 512
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 8
+    max_turns: int = 1
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "sharegpt"  # built-in name or a .json/.jsonl path (ShareGPT or OpenAI messages)
+    max_samples: int | None = None  # cap on conversations (null = all)
+    max_length: int = 1024
+    overlong: str = "truncate"  # truncate | skip
+    num_holdout: int = 64  # held-out conversations for eval (fixed seed)
+    split_seed: int = 1234
+    chat_template: str | None = None  # override the tokenizer's template (Jinja string)
+    enable_thinking: bool | None = None  # Qwen3 templates
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+
+
+@dataclass
+class CaptureConfig:
+    mode: str = "online"  # online (in the training step) | offline (sharded safetensors, then train)
+    dir: str | None = None  # offline shards; default <output_dir>/capture
+    layer_ids: list[int] | None = None  # aux layers (inputs of these decoder layers); null = [2, N//2, N-3]
+    dtype: str = "bfloat16"  # storage / transfer dtype of captured features
+    shard_samples: int = 256  # conversations per shard
+    batch_tokens: int = 4096  # tokens per target forward while capturing
+
+
+@dataclass
+class DrafterConfig:
+    family: str = "eagle3"
+    draft_vocab_size: int = 32000
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    intermediate_size: int | None = None  # null = the target's
+
+
+@dataclass
+class TrainConfig:
+    epochs: float = 1.0
+    max_steps: int | None = None  # null = by epochs
+    batch_size: int = 1  # conversations per micro-batch per rank
+    batch_tokens: int | None = None  # if set, micro-batches are packed up to this many (padded) tokens
+    grad_accum: int = 1
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.015
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    deepspeed: str | None = None  # null, a name under recipes/deepspeed/ (e.g. zero2) or a path
+    save_every: int = 500  # steps
+    keep_checkpoints: int = 2
+    eval_every: int = 200  # steps; 0 = only at the end
+    eval_samples: int | None = None  # held-out conversations per eval (null = all held out)
+    resume: str = "auto"  # auto | true | false
+    stop_after_steps: int | None = None  # leave after N optimizer steps in this process (preemptible queues)
+    num_threads: int | None = None  # torch CPU threads per rank (null = torch default)
+    compile: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True  # offline unless WANDB_API_KEY is set
+    project: str = "drafthead"
+    log_every: int = 10
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    recipe: str = DEFAULT_RECIPE
+    output_dir: str = "runs/eagle3_smollm2"
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _all_keys(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in fields(cls):
+        key = prefix + f.name
+        out.append(key)
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        if is_dataclass(default):
+            out += _all_keys(type(default), key + ".")
+    return out
+
+
+def _closest(key: str) -> str:
+    keys = _all_keys(RunConfig)
+    hit = difflib.get_close_matches(key, keys, n=1, cutoff=0.4)
+    if not hit:  # try the leaf name alone (e.g. 'max_step' -> 'train.max_steps')
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+        m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
+        hit = [leaves[m[0]]] if m else []
+    return f" (did you mean '{hit[0]}'?)" if hit else ""
+
+
+def recipe_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    p = RECIPES_DIR / f"{name}.yaml"
+    if not p.is_file():
+        known = sorted(q.stem for q in RECIPES_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown recipe '{name}'; known recipes: {', '.join(known)}")
+    return p
+
+
+def load_config(argv: list[str] | None = None) -> RunConfig:
+    """Defaults <- recipes/<recipe>.yaml <- `key=value` overrides; strict about unknown keys."""
+    argv = list(argv or [])
+    bad = [a for a in argv if "=" not in a]
+    if bad:
+        raise ConfigError(f"arguments must be key=value, got {bad}")
+    recipe = DEFAULT_RECIPE
+    rest = []
+    for a in argv:
+        k, v = a.split("=", 1)
+        if k == "recipe":
+            recipe = v
+        else:
+            rest.append(a)
+    schema = OmegaConf.structured(RunConfig)
+    OmegaConf.set_struct(schema, True)
+    try:
+        file_cfg = OmegaConf.load(recipe_path(recipe))
+        merged = OmegaConf.merge(schema, file_cfg, OmegaConf.from_dotlist(rest))
+    except (ConfigKeyError, ValidationError) as e:
+        key = getattr(e, "full_key", None) or str(e)
+        msg = str(e).splitlines()[0]
+        if isinstance(e, ConfigKeyError):
+            raise ConfigError(f"unknown config key '{key}'{_closest(str(key))}") from None
+        raise ConfigError(f"bad value for '{key}': {msg}") from None
+    merged.recipe = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    choices = {"capture.mode": (cfg.capture.mode, ("online", "offline")),
+               "data.overlong": (cfg.data.overlong, ("truncate", "skip")),
+               "train.resume": (str(cfg.train.resume).lower(), ("auto", "true", "false"))}
+    for key, (val, ok) in choices.items():
+        if val not in ok:
+            raise ConfigError(f"bad value for '{key}': {val!r} (choose from {', '.join(ok)})")
+    if cfg.data.max_length < 8:
+        raise ConfigError(f"bad value for 'data.max_length': {cfg.data.max_length} (must be >= 8)")
+    if cfg.drafter.ttt_steps < 1:
+        raise ConfigError("bad value for 'drafter.ttt_steps': must be >= 1")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def parse_or_exit(argv: list[str]) -> RunConfig:
+    try:
+        return load_config(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def as_dict(cfg: Any) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,427 @@
+"""Training machinery: distributed setup, DDP/DeepSpeed wrapping, batching, checkpoints, eval, logging.
+
+Drafter files stay free of all of this; `train.py` strings these pieces together top to bottom.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from drafthead.target import Target, TargetHead
+from trainer.capture import collate, collate_features, features_for_batch
+from trainer.config import RECIPES_DIR, RunConfig
+
+
+# ---------------------------------------------------------------------------------------------
+# distributed
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """torchrun sets WORLD_SIZE/RANK; gloo on CPU, nccl on GPU. Plain `python train.py` = 1 process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist(rank, world, local, device)
+
+
+def barrier(d: Dist) -> None:
+    if d.world > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.world > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# batching: deterministic, length-grouped, resumable
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, world: int, rank: int,
+                  batch_tokens: int | None = None) -> list[list[int]]:
+    """Batches of sample indices for this rank and epoch. Same seed -> same batches (resume relies on it).
+
+    Samples are shuffled, grouped in windows of 64 batches, sorted by length inside a window (less
+    padding), cut into batches (by count, or packed up to `batch_tokens` padded tokens), and the batches
+    are shuffled again. Every rank gets the same number of batches.
+    """
+    g = random.Random(seed * 1000003 + epoch)
+    idx = list(range(len(lengths)))
+    g.shuffle(idx)
+    window = max(batch_size, 1) * 64
+    batches: list[list[int]] = []
+    for w in range(0, len(idx), window):
+        chunk = sorted(idx[w: w + window], key=lambda i: lengths[i])
+        if batch_tokens:
+            cur: list[int] = []
+            for i in chunk:
+                if cur and (len(cur) + 1) * max(lengths[i], max(lengths[j] for j in cur)) > batch_tokens:
+                    batches.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                batches.append(cur)
+        else:
+            batches += [chunk[s: s + batch_size] for s in range(0, len(chunk), batch_size)]
+    g.shuffle(batches)
+    per_rank = len(batches) // world
+    if per_rank == 0:
+        raise ValueError(f"not enough training data: {len(lengths)} samples make {len(batches)} batches for "
+                         f"{world} ranks")
+    return batches[rank * per_rank: (rank + 1) * per_rank]
+
+
+# ---------------------------------------------------------------------------------------------
+# one step's math around the drafter
+def teacher_targets(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher logits over the draft vocab [B, T, N] and full argmax [B, T] at positions j whose next
+    token is supervised (loss_mask[j+1] == 1); elsewhere zeros / -1."""
+    B, T, _ = last.shape
+    need = torch.zeros(B, T, dtype=torch.bool, device=last.device)
+    need[:, :-1] = loss_mask[:, 1:].bool()
+    b, t = need.nonzero(as_tuple=True)
+    logits, argmax = head(last[b, t])
+    teacher = torch.zeros(B, T, logits.shape[-1], dtype=torch.float32, device=last.device)
+    teacher[b, t] = logits
+    tgt = torch.full((B, T), -1, dtype=torch.long, device=last.device)
+    tgt[b, t] = argmax
+    return teacher, tgt
+
+
+def make_batch(items: list[Any], target: Target, layer_ids: list[int], feat_dtype: torch.dtype, offline: bool,
+               device: torch.device) -> dict[str, torch.Tensor]:
+    """Collate samples (online: token lists, capture now; offline: stored features)."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer is not None else 0
+    if offline:
+        batch = collate_features(items, pad)
+    else:
+        batch = features_for_batch(target, collate(items, pad), layer_ids, feat_dtype)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead) -> dict[str, torch.Tensor]:
+    teacher, tgt = teacher_targets(head, batch["last"], batch["loss_mask"])
+    return {"input_ids": batch["input_ids"], "aux_hidden": batch["aux"], "teacher_logits": teacher,
+            "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
+
+
+def autocast(dtype: str, device: torch.device, engine_kind: str):
+    """Mixed precision for the drafter forward: bf16 autocast on GPU by default, fp32 on CPU unless the
+    recipe asks for bfloat16 (CPUs with AMX run bf16 matmuls ~4x faster). Master weights stay fp32.
+    DeepSpeed on GPU handles bf16 itself."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"train.dtype={dtype!r}: use auto, bfloat16 or float32")
+    enabled = dtype == "bfloat16" and not (engine_kind == "deepspeed" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer, schedule, wrapping
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
+    warm = max(1, int(round(total_steps * warmup_ratio)))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        prog = min(1.0, (step - warm) / max(1, total_steps - warm))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
+    return f
+
+
+class TorchEngine:
+    """Plain or DDP training with AdamW, cosine schedule, clipping and gradient accumulation."""
+
+    kind = "torch"
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, total_steps: int, d: Dist) -> None:
+        self.module = model
+        self.d = d
+        self.model = model
+        if d.world > 1:
+            self.model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                     weight_decay=cfg.train.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_lambda(total_steps, cfg.train.warmup_ratio, cfg.train.min_lr_ratio))
+        self.clip = cfg.train.grad_clip
+        self.accum = cfg.train.grad_accum
+        self.micro = 0
+
+    def forward(self, **kw: torch.Tensor) -> dict[str, torch.Tensor]:
+        # skip the DDP all-reduce on micro-steps that do not end an accumulation window
+        if isinstance(self.model, nn.parallel.DistributedDataParallel):
+            self.model.require_backward_grad_sync = (self.micro + 1) % self.accum == 0
+        return self.model(**kw)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.accum).backward()
+        self.micro += 1
+
+    def step(self) -> bool:
+        """Returns True when an optimizer step happened."""
+        if self.micro % self.accum:
+            return False
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return True
+
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]
+
+    def save(self, folder: Path) -> None:
+        if self.d.main:
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()},
+                      str(folder / "model.safetensors"))
+            torch.save({"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "micro": self.micro},
+                       folder / "optimizer.pt")
+
+    def load(self, folder: Path) -> None:
+        sd = load_file(str(folder / "model.safetensors"))
+        self.module.load_state_dict({k: v.to(self.d.device) for k, v in sd.items()})
+        st = torch.load(folder / "optimizer.pt", map_location=self.d.device, weights_only=False)
+        self.opt.load_state_dict(st["opt"])
+        self.sched.load_state_dict(st["sched"])
+        self.micro = st["micro"]
+
+
+class DeepSpeedEngine:
+    """DeepSpeed ZeRO 1/2/3 with the same AdamW + schedule (client optimizer)."""
+
+    kind = "deepspeed"
+
+    def __init__(self, model: nn.Module, cfg: RunConfig, total_steps: int, d: Dist) -> None:
+        if d.device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        self.d = d
+        self.module = model
+        ds = resolve_deepspeed_config(cfg.train.deepspeed)
+        ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        ds["gradient_accumulation_steps"] = cfg.train.grad_accum
+        ds["train_batch_size"] = cfg.train.batch_size * cfg.train.grad_accum * d.world
+        ds["gradient_clipping"] = cfg.train.grad_clip
+        ds["bf16"] = {"enabled": d.device.type == "cuda"}
+        ds["zero_allow_untested_optimizer"] = True
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                                weight_decay=cfg.train.weight_decay)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lr_lambda(total_steps, cfg.train.warmup_ratio, cfg.train.min_lr_ratio))
+        self.engine, self.opt, _, self.sched = deepspeed.initialize(
+            model=model, model_parameters=params, optimizer=opt, lr_scheduler=sched, config=ds,
+            dist_init_required=d.world > 1 and not dist.is_initialized())
+
+    def forward(self, **kw: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.engine(**kw)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> bool:
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        self.engine.step()
+        return boundary
+
+    def lr(self) -> float:
+        return self.sched.get_last_lr()[0]
+
+    def save(self, folder: Path) -> None:
+        self.engine.save_checkpoint(str(folder), tag="deepspeed")
+
+    def load(self, folder: Path) -> None:
+        self.engine.load_checkpoint(str(folder), tag="deepspeed")
+
+    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()  # ZeRO-1/2 keep full params on each rank
+
+
+def resolve_deepspeed_config(name: str) -> dict:
+    p = Path(name)
+    if not p.is_file():
+        p = RECIPES_DIR / "deepspeed" / f"{name}.json"
+    if not p.is_file():
+        known = sorted(q.stem for q in (RECIPES_DIR / "deepspeed").glob("*.json"))
+        raise ValueError(f"train.deepspeed={name!r}: no such file or built-in config (known: {', '.join(known)})")
+    return json.loads(p.read_text())
+
+
+def build_engine(model: nn.Module, cfg: RunConfig, total_steps: int, d: Dist) -> TorchEngine | DeepSpeedEngine:
+    return (DeepSpeedEngine if cfg.train.deepspeed else TorchEngine)(model, cfg, total_steps, d)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: atomic across ranks (shared temp name, rank 0 renames)
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    if st.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, engine: Any, state: dict, d: Dist, keep: int) -> Path:
+    ckpts = run_dir / "checkpoints"
+    final = ckpts / f"step_{step}"
+    tmp = ckpts / f".step_{step}.tmp"
+    if d.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(d)
+    engine.save(tmp)
+    torch.save(rng_state(), tmp / f"rng_rank{d.rank}.pt")
+    barrier(d)
+    if d.main:
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world": d.world,
+                                                            "engine": engine.kind}, indent=2))
+        shutil.copy(run_dir / "config.yaml", tmp / "config.yaml")
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(d)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    ckpts = run_dir / "checkpoints"
+    if not ckpts.is_dir():
+        return []
+    found = [p for p in ckpts.glob("step_*") if p.is_dir() and (p / "trainer_state.json").exists()]
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def load_checkpoint(folder: Path, engine: Any, d: Dist) -> dict:
+    state = json.loads((folder / "trainer_state.json").read_text())
+    if state["world"] != d.world:
+        raise ValueError(f"checkpoint {folder} was written by {state['world']} ranks; resume with the same "
+                         f"--nproc_per_node (now {d.world})")
+    if state["engine"] != engine.kind:
+        raise ValueError(f"checkpoint {folder} is a {state['engine']} checkpoint; this run uses {engine.kind}")
+    engine.load(folder)
+    rng = folder / f"rng_rank{d.rank}.pt"
+    if rng.exists():
+        set_rng_state(torch.load(rng, weights_only=False))
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation: TTT accuracies on held-out data, simulated acceptance length
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: TargetHead, d: Dist
+             ) -> dict[str, float]:
+    was = model.training
+    model.eval()
+    correct = count = loss = None
+    nb = 0
+    for batch in batches:
+        out = model(**drafter_inputs(batch, head))
+        correct = out["correct"] if correct is None else correct + out["correct"]
+        count = out["count"] if count is None else count + out["count"]
+        loss = out["loss"].detach() if loss is None else loss + out["loss"].detach()
+        nb += 1
+    model.train(was)
+    if correct is None:
+        return {}
+    correct, count = all_reduce_sum(correct, d), all_reduce_sum(count, d)
+    acc = (correct / count.clamp(min=1)).tolist()
+    sim, prod = 1.0, 1.0
+    for a in acc:
+        prod *= a
+        sim += prod
+    res = {f"eval/acc_{i}": a for i, a in enumerate(acc)}
+    res["eval/loss"] = float(all_reduce_sum(loss, d)) / (nb * d.world)
+    res["eval/sim_accept_len"] = sim  # 1 (bonus token) + sum_k prod_{i<=k} acc_i
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# logging
+class Logger:
+    """metrics.jsonl always; wandb (offline unless a key is configured) when enabled; rank 0 only."""
+
+    def __init__(self, run_dir: Path, cfg: RunConfig, d: Dist, config_dict: dict) -> None:
+        self.main = d.main
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = None
+        if self.main and cfg.logging.wandb:
+            try:
+                import wandb
+
+                if not os.environ.get("WANDB_API_KEY"):
+                    os.environ.setdefault("WANDB_MODE", "offline")
+                self.wandb = wandb.init(project=cfg.logging.project, dir=str(run_dir), config=config_dict,
+                                        name=Path(cfg.output_dir).name, resume="allow")
+            except Exception as e:  # wandb is optional: say so, keep metrics.jsonl
+                print(f"wandb disabled: {e}")
+
+    def log(self, row: dict) -> None:
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class Throughput:
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+
+    def rate(self) -> float:
+        dt = time.perf_counter() - self.t0
+        r = self.tokens / dt if dt > 0 else 0.0
+        self.t0, self.tokens = time.perf_counter(), 0
+        return r

@@ -1,0 +1,71 @@
+"""Conversations -> token samples (+ held-out split, optional regeneration), shared by train.py and
+`drafthead capture`, so both see the same samples in the same order."""
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from drafthead.target import Target
+from trainer import data as D
+from trainer.config import RunConfig
+from trainer.loop import Dist, barrier
+
+
+@dataclass
+class Prepared:
+    train: list[dict]  # {"id", "input_ids", "loss_mask"}
+    heldout: list[dict]
+    heldout_convs: list  # Conversation objects, written to <run_dir>/heldout.jsonl
+
+
+def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=print) -> Prepared:
+    dc = cfg.data
+    convs, stats = D.load_conversations(dc.dataset, dc.max_samples)
+    if d.main:
+        log(stats.summary(dc.dataset))
+    if len(convs) <= dc.num_holdout:
+        raise ValueError(f"data.dataset={dc.dataset!r} has {len(convs)} usable conversations, not more than "
+                         f"data.num_holdout={dc.num_holdout}: nothing left to train on")
+    train_convs, held_convs = D.split_holdout(convs, dc.num_holdout, dc.split_seed)
+    if dc.regenerate.enabled:
+        train_convs = _regenerate(cfg, target, train_convs, d, run_dir, log)
+    key = f"{dc.dataset}|{target.name_or_path}|{dc.max_samples}|{dc.split_seed}|{dc.num_holdout}"
+    kw = dict(max_length=dc.max_length, overlong=dc.overlong, chat_template=dc.chat_template,
+              enable_thinking=dc.enable_thinking)
+    train, tstats = D.tokenize_conversations(target.tokenizer, train_convs,
+                                             cache_key=None if dc.regenerate.enabled else key + "|train", **kw)
+    held, hstats = D.tokenize_conversations(target.tokenizer, held_convs, cache_key=key + "|heldout", **kw)
+    if d.main:
+        log(tstats.summary("train tokens"))
+        log(hstats.summary("held-out tokens"))
+    if not train:
+        raise ValueError("no usable training samples after tokenization: " + tstats.summary("train"))
+    return Prepared(train, held, held_convs)
+
+
+def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: Path, log) -> list:
+    """Rank 0 rewrites a fraction of the answers with the target (resumable file); others wait and read."""
+    rc = cfg.data.regenerate
+    rng = random.Random(cfg.seed)
+    pick = set(rng.sample(range(len(convs)), k=int(round(rc.fraction * len(convs)))))
+    chosen = [c for i, c in enumerate(convs) if i in pick]
+    digest = hashlib.sha256("".join(c.id for c in chosen).encode()).hexdigest()[:10]
+    out = run_dir / f"regenerated-{digest}.jsonl"
+    if d.main:
+        log(f"regenerating {len(chosen)} of {len(convs)} conversations with the target -> {out}")
+        D.regenerate(target, chosen, str(out), max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
+                     top_p=rc.top_p, batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns)
+    barrier(d)
+    regen = {c.id: c for c in D.read_jsonl(out)}
+    return [regen.get(c.id, c) if i in pick else c for i, c in enumerate(convs)]
+
+
+def feature_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"capture.dtype={name!r} is not a torch dtype (use bfloat16, float16 or float32)")
+    return dt
