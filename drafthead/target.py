@@ -68,10 +68,40 @@ def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "a
     path, gguf = resolve_target(name_or_path, gguf_file)
     if dtype == "auto":
         dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    kw = {"gguf_file": gguf} if gguf else {}
-    tok = AutoTokenizer.from_pretrained(path, **kw)
+    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    if gguf and dtype != "float32":
+        # transformers keeps GGUF weights packed and computes in fp32; for bf16, dequantize once so the
+        # matmuls run in bf16 (AMX on recent Xeons, tensor cores on GPUs)
+        from transformers.utils.quantization_config import GgufConfig
+
+        kw["quantization_config"] = GgufConfig(gguf_file=gguf, dequantize=True)
+    tok = load_tokenizer(path, gguf)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw)
     return freeze(Target(model.to(device), tok, name_or_path, gguf))
+
+
+def load_tokenizer(path: str, gguf: str | None = None) -> Any:
+    """AutoTokenizer; a GGUF vocabulary is converted once (~10-20 s) and cached as an HF tokenizer."""
+    import hashlib
+
+    import transformers
+    from transformers import AutoTokenizer
+
+    from drafthead.assets import cache_dir
+    from drafthead.io import atomic_dir
+
+    if not gguf:
+        return AutoTokenizer.from_pretrained(path)
+    src = Path(path) / gguf
+    st = src.stat()
+    key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
+    out = cache_dir() / "tokenizers" / f"{src.stem}-{key.hexdigest()[:16]}"
+    if (out / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf)
+    with atomic_dir(out) as tmp:
+        tok.save_pretrained(tmp)
+    return tok
 
 
 def freeze(target: Target) -> Target:

@@ -1,0 +1,202 @@
+"""`drafthead eval`: how much a draft speeds up its target on real prompts, and whether it stays lossless.
+
+    drafthead eval draft=runs/eagle3/final dataset=mt_bench max_prompts=16 max_new_tokens=128 out=eval_out
+
+One run decodes every prompt twice with the same runtime: speculatively (mode chain/tree/ngram) and
+autoregressively (mode ar, the baseline), then writes out/report.json, report.md and two plots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eval.acceptance import generate_samples, warmup
+from eval.datasets import DATASETS, load_eval_dataset
+from eval.report import build_report, machine_info, write_report
+
+MODES = ("ar", "chain", "tree", "ngram")
+NONE_WORDS = ("none", "None", "null", "")
+
+
+@dataclass
+class EvalConfig:
+    draft: str | None = None  # <run_dir>/final, or none: n-gram drafter / AR alone
+    dataset: str = "mt_bench"  # mt_bench | humaneval | sharegpt
+    max_prompts: int | None = None  # default: the whole dataset
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    out: str = "eval_out"
+    target: str | None = None  # default: the draft's config.json target.name_or_path
+    gguf_file: str | None = None
+    heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
+    mode: str | None = None  # default: chain with a draft, ngram without
+    num_draft_tokens: int = 4
+    depth: int = 5
+    topk: int = 4
+    adaptive: bool = False
+    ngram: bool = False
+    ngram_n: int = 3
+    seed: int = 0
+    batch_size: int = 1
+    device: str = "auto"  # auto = cuda if available, else cpu
+    threads: int | None = None  # torch CPU threads (default: torch's)
+    progress: bool = True
+
+
+def parse_kv(cls: type, argv: list[str]) -> Any:
+    """`key=value` pairs into the dataclass `cls`; unknown keys and bad values are errors naming them."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    bad = [a for a in argv if "=" not in a]
+    if bad:
+        raise ValueError(f"arguments are key=value pairs, got {bad}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    pairs = dict(a.split("=", 1) for a in argv)
+    unknown = sorted(set(pairs) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown}; valid: {sorted(known)}")
+    # 'none' means absent for the optional string keys (draft=none, target=none)
+    argv = [f"{k}=null" if v in NONE_WORDS and k in ("draft", "target", "gguf_file", "heldout", "mode",
+                                                     "max_prompts", "threads") else f"{k}={v}"
+            for k, v in pairs.items()]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.from_dotlist(argv))
+    except OmegaConfBaseException as e:
+        raise ValueError(f"bad value: {e}".splitlines()[0]) from None
+    return OmegaConf.to_object(merged)
+
+
+def resolve_mode(cfg: EvalConfig, has_draft: bool | None = None) -> str:
+    has_draft = bool(cfg.draft) if has_draft is None else has_draft
+    mode = cfg.mode or ("chain" if has_draft else "ngram")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    if mode in ("chain", "tree") and not has_draft:
+        raise ValueError(f"mode={mode} needs a trained draft (draft=<run_dir>/final); with draft=none use "
+                         f"mode=ngram or mode=ar")
+    return mode
+
+
+def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None = None) -> None:
+    """Fail before loading anything. `models_given`: run_eval got target/drafter objects, not names."""
+    if cfg.dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(DATASETS)}")
+    checks = [("max_new_tokens", cfg.max_new_tokens, cfg.max_new_tokens > 0, "> 0"),
+              ("max_prompts", cfg.max_prompts, cfg.max_prompts is None or cfg.max_prompts > 0, "> 0"),
+              ("temperature", cfg.temperature, cfg.temperature >= 0, ">= 0"),
+              ("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]"),
+              ("num_draft_tokens", cfg.num_draft_tokens, cfg.num_draft_tokens >= 1, ">= 1"),
+              ("depth", cfg.depth, cfg.depth >= 1, ">= 1"),
+              ("topk", cfg.topk, cfg.topk >= 1, ">= 1"),
+              ("ngram_n", cfg.ngram_n, cfg.ngram_n >= 1, ">= 1"),
+              ("batch_size", cfg.batch_size, cfg.batch_size >= 1, ">= 1")]
+    for name, value, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{name} must be {rule}, got {value}")
+    if cfg.draft and not models_given and not (Path(cfg.draft) / "config.json").is_file():
+        raise FileNotFoundError(f"draft={cfg.draft} is not a draft directory (no config.json); pass "
+                                f"<run_dir>/final or draft=none")
+    if not cfg.draft and not cfg.target and not models_given:
+        raise ValueError("draft=none needs target=NAME_OR_PATH (there is no draft config to read it from)")
+    resolve_mode(cfg, has_draft)
+
+
+def resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def load_models(draft: str | None, target: str | None, gguf_file: str | None, device: str) -> tuple[Any, Any]:
+    """The target (given, or named by the draft's config.json) and the drafter on top of its embedding."""
+    from drafthead.registry import load_draft, read_draft_config
+    from drafthead.target import load_target
+
+    if draft:
+        meta = read_draft_config(draft)
+        if target is None:
+            target, gguf_file = meta["target"]["name_or_path"], gguf_file or meta["target"].get("gguf_file")
+    tgt = load_target(target, gguf_file, device=device)
+    drafter = (load_draft(draft, embed_weight=tgt.model.get_input_embeddings().weight, device=device)
+               if draft else None)
+    return tgt, drafter
+
+
+def spec_configs(cfg: EvalConfig, mode: str) -> tuple[Any, Any]:
+    """(speculative SpecConfig, the AR SpecConfig of the baseline) from the eval keys."""
+    from drafthead.runtime import SpecConfig
+
+    names = {f.name for f in dataclasses.fields(SpecConfig)}
+    kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in names}
+    spec = SpecConfig(**{**kw, "mode": mode})
+    return spec, dataclasses.replace(spec, mode="ar")
+
+
+def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator: Any = None) -> dict:
+    """Decode the dataset speculatively and autoregressively, write the report, return it.
+
+    `target`/`drafter`/`generator` may be given (tests, notebooks); otherwise they are loaded from
+    cfg.target / cfg.draft and built with drafthead.runtime.SpeculativeGenerator.
+    """
+    has_draft = drafter is not None if target is not None else bool(cfg.draft)
+    validate(cfg, models_given=target is not None, has_draft=has_draft)
+    mode = resolve_mode(cfg, has_draft)
+    samples = load_eval_dataset(cfg.dataset, cfg.max_prompts, cfg.draft, cfg.heldout)  # before the slow loads
+    device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if target is None:
+        print(f"loading target {cfg.target or '(from the draft config)'} and draft {cfg.draft} on {device} ...")
+        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device)
+    if generator is None:
+        from drafthead.runtime import SpeculativeGenerator
+        generator = SpeculativeGenerator(target, drafter, device=device)
+    spec, ar = spec_configs(cfg, mode)
+    tok = target.tokenizer
+
+    runs = {}
+    for name, sc in (("speculative", spec), ("autoregressive", ar)):
+        warmup(generator, tok, samples[0], sc)
+        torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        runs[name] = generate_samples(generator, tok, samples, cfg.max_new_tokens, sc,
+                                      desc=f"{cfg.dataset} {sc.mode}", progress=cfg.progress)
+        print(f"{name} ({sc.mode}): {len(runs[name])} turns in {time.perf_counter() - t0:.1f} s")
+
+    settings = {"dataset": cfg.dataset, "max_prompts": cfg.max_prompts, "max_new_tokens": cfg.max_new_tokens,
+                "draft": str(Path(cfg.draft).resolve()) if cfg.draft else None,
+                "target": getattr(target, "name_or_path", None), "gguf_file": getattr(target, "gguf_file", None),
+                "drafter_family": getattr(drafter, "family", None) if drafter is not None else None,
+                "machine": machine_info(device)}
+    report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
+                          num_prompts=len(samples))
+    paths = write_report(report, cfg.out, runs["speculative"])
+    print_summary(report)
+    print(f"report: {paths['report.json']} (+ report.md, plots, generations.jsonl)")
+    return report
+
+
+def print_summary(r: dict) -> None:
+    f = lambda x, nd=2: "n/a" if x is None else f"{x:.{nd}f}"  # noqa: E731
+    print(f"tau {f(r['acceptance_length'])} | {f(r['tokens_per_s'], 1)} tok/s vs AR "
+          f"{f(r['baseline_tokens_per_s'], 1)} tok/s | speedup {f(r['speedup'])}x | lossless {r['lossless']}")
+    for c, v in r["by_category"].items():
+        print(f"  {c:<12} tau {f(v['acceptance_length'])}  {f(v['tokens_per_s'], 1)} tok/s  "
+              f"speedup {f(v['speedup'])}x")
+    if r["pays_off"]:
+        print(r["verdict"])
+    else:
+        print(f"WARNING: {r['verdict']}")
+    if r["lossless"] is False:
+        print(f"WARNING: not lossless: {r['lossless_note']}")
+
+
+def main(argv: list[str]) -> int:
+    cfg = parse_kv(EvalConfig, argv)
+    run_eval(cfg)
+    return 0

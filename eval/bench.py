@@ -1,0 +1,277 @@
+"""`drafthead bench`: decoding speed of every method on the same prompts and machine, in one run.
+
+    drafthead bench draft=runs/eagle3/final dataset=mt_bench max_prompts=8 max_new_tokens=128 out=bench.json
+    python scripts/bench_decode.py draft=none target=smollm2-135m-instruct
+
+Methods: our AR decoding, HF `generate` greedy, HF prompt-lookup decoding, our n-gram drafter, and our
+runtime with the trained draft (chain of k and tree). All greedy, so every output should equal our AR
+output; the table says where it does not. Then the target verify-cost curve: the time of one forward
+of n tokens appended to a cached prefix. Speculation pays when tau exceeds the cost of verifying
+k+1 tokens relative to 1 (plus drafting), so that curve is what any tau has to beat.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from drafthead.io import atomic_write_json
+from eval import load_models, parse_kv, resolve_device
+from eval.datasets import DATASETS, chat_prompt, load_eval_dataset
+from eval.report import machine_info
+
+
+@dataclass
+class BenchConfig:
+    draft: str | None = None  # <run_dir>/final or none (then the EAGLE rows are skipped)
+    target: str | None = None  # default: the draft's config.json target
+    gguf_file: str | None = None
+    dataset: str = "mt_bench"
+    heldout: str | None = None
+    max_prompts: int = 8  # first user turn of each
+    max_new_tokens: int = 128
+    num_draft_tokens: int = 4  # chain and n-gram
+    depth: int = 5  # tree
+    topk: int = 4  # tree
+    ngram_n: int = 3
+    prompt_lookup_num_tokens: int = 10  # HF prompt lookup
+    verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    verify_prefix: int = 256  # cached prefix length of the verify-cost curve
+    verify_repeats: int = 5
+    device: str = "auto"
+    threads: int | None = None
+    out: str | None = None  # bench.json path, or a directory to write bench.json into
+    progress: bool = True
+
+
+def validate(cfg: BenchConfig) -> None:
+    if cfg.dataset not in DATASETS:
+        raise ValueError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(DATASETS)}")
+    for name in ("max_prompts", "max_new_tokens", "num_draft_tokens", "depth", "topk", "ngram_n",
+                 "prompt_lookup_num_tokens", "verify_prefix", "verify_repeats"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    if not cfg.verify_sizes or min(cfg.verify_sizes) <= 0:
+        raise ValueError(f"verify_sizes must be positive token counts, got {cfg.verify_sizes}")
+    if cfg.draft and not (Path(cfg.draft) / "config.json").is_file():
+        raise FileNotFoundError(f"draft={cfg.draft} is not a draft directory (no config.json)")
+    if not cfg.draft and not cfg.target:
+        raise ValueError("draft=none needs target=NAME_OR_PATH")
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------------------------------- methods
+# each method: (prompt ids, max_new_tokens) -> (new tokens, verify rounds after prefill or None)
+
+def runtime_method(generator: Any, spec: Any) -> Callable[[list[int], int], tuple[list[int], int | None]]:
+    def run(prompt: list[int], max_new: int) -> tuple[list[int], int | None]:
+        r = generator.generate([prompt], max_new, spec)[0]
+        return list(r.tokens), r.num_rounds
+    return run
+
+
+def hf_method(model: Any, device: str, **gen_kw: Any) -> Callable[[list[int], int], tuple[list[int], int | None]]:
+    """HF `generate` greedy; stops at the model's EOS like our runtime."""
+    pad = model.generation_config.pad_token_id
+    eos = model.generation_config.eos_token_id
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
+
+    @torch.no_grad()
+    def run(prompt: list[int], max_new: int) -> tuple[list[int], int | None]:
+        ids = torch.tensor([prompt], device=device)  # [1, T]
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             pad_token_id=pad, **gen_kw)  # [1, T + n]
+        return out[0, len(prompt):].tolist(), None
+    return run
+
+
+def time_method(run: Callable, prompts: list[list[int]], max_new: int, device: str, desc: str,
+                progress: bool) -> dict:
+    run(prompts[0], min(8, max_new))  # warm-up, untimed
+    outputs, forwards, wall = [], 0, 0.0
+    counted = True
+    for p in tqdm(prompts, desc=desc, unit="prompt", disable=not progress, leave=False, dynamic_ncols=True):
+        _sync(device)
+        t0 = time.perf_counter()
+        toks, fw = run(p, max_new)
+        _sync(device)
+        wall += time.perf_counter() - t0
+        outputs.append(toks)
+        counted = counted and fw is not None
+        forwards += fw or 0
+    tokens = sum(len(o) for o in outputs)
+    verified = sum(max(0, len(o) - 1) for o in outputs)  # the first token of each comes from prefill
+    return {"generated_tokens": tokens, "time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
+            "verify_rounds": forwards if counted else None,
+            "acceptance_length": verified / forwards if counted and forwards else None, "outputs": outputs}
+
+
+def _median_ms(call: Callable[[], None], undo: Callable[[], None], repeats: int, device: str) -> float:
+    times = []
+    for rep in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        call()
+        _sync(device)
+        if rep:  # the first call is a warm-up for this shape
+            times.append(time.perf_counter() - t0)
+        undo()
+    return 1000 * statistics.median(times)
+
+
+def _relative(rows: list[dict]) -> list[dict]:
+    for r in rows:
+        r["relative_to_first"] = r["ms"] / rows[0]["ms"]
+    return rows
+
+
+@torch.no_grad()
+def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], repeats: int, device: str
+                      ) -> list[dict]:
+    """Median time of one verify forward of n tokens on a cached prefix, in our runtime's target forward.
+
+    The n tokens are written at slots P..P+n-1 each time and the length stays P, so every call sees the
+    same prefix and nothing needs rolling back.
+    """
+    cache = target_model.new_cache(1, len(prefix) + max(sizes))
+    lens = torch.zeros(1, dtype=torch.long, device=device)
+    target_model.forward(cache, torch.tensor([prefix], device=device), lens, logits_at=lens)  # prefill
+    lens = lens + len(prefix)
+    rows = []
+    for n in sizes:
+        new = torch.tensor([[prefix[i % len(prefix)] for i in range(n)]], device=device)  # [1, n]
+        ms = _median_ms(lambda: target_model.forward(cache, new, lens), lambda: None, repeats, device)
+        rows.append({"num_tokens": n, "ms": ms})
+    return _relative(rows)
+
+
+@torch.no_grad()
+def hf_verify_cost_curve(model: Any, prefix: list[int], sizes: list[int], repeats: int, device: str) -> list[dict]:
+    """The same curve through HF `model(...)` with its DynamicCache (cropped back after each call)."""
+    import inspect
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # HF 5.x
+    ids = torch.tensor([prefix], device=device)  # [1, P]
+    cache = getattr(model(input_ids=ids, use_cache=True), cache_kw)
+    if cache.get_seq_length() != len(prefix):
+        raise RuntimeError(f"verify-cost curve: the cache holds {cache.get_seq_length()} of {len(prefix)} tokens")
+    rows = []
+    for n in sizes:
+        new = torch.tensor([[prefix[i % len(prefix)] for i in range(n)]], device=device)  # [1, n]
+        ms = _median_ms(lambda: model(input_ids=new, use_cache=True, **{cache_kw: cache}),
+                        lambda: cache.crop(-n), repeats, device)  # crop: drop the n appended entries
+        rows.append({"num_tokens": n, "ms": ms})
+    return _relative(rows)
+
+
+def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generator: Any = None) -> dict:
+    from drafthead.runtime import SpecConfig, SpeculativeGenerator, TargetModel
+
+    validate(cfg)
+    samples = load_eval_dataset(cfg.dataset, cfg.max_prompts, cfg.draft, cfg.heldout)
+    device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if target is None:
+        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device)
+    generator = generator or SpeculativeGenerator(target, drafter, device=device)
+    tok = target.tokenizer
+    prompts = [chat_prompt(tok, [{"role": "user", "content": s.turns[0]}]) for s in samples]
+
+    base = dict(temperature=0.0, num_draft_tokens=cfg.num_draft_tokens, depth=cfg.depth, topk=cfg.topk,
+                ngram_n=cfg.ngram_n, batch_size=1)
+    methods: dict[str, Callable | str] = {
+        "ar (ours)": runtime_method(generator, SpecConfig(mode="ar", **base)),
+        "hf generate greedy": hf_method(target.model, device),
+        f"hf prompt lookup ({cfg.prompt_lookup_num_tokens})": hf_method(
+            target.model, device, prompt_lookup_num_tokens=cfg.prompt_lookup_num_tokens),
+        f"ngram n={cfg.ngram_n} k={cfg.num_draft_tokens} (ours)": runtime_method(
+            generator, SpecConfig(mode="ngram", **base)),
+    }
+    chain = f"draft chain k={cfg.num_draft_tokens} (ours)"
+    tree = f"draft tree depth={cfg.depth} topk={cfg.topk} (ours)"
+    if drafter is not None:
+        methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base))
+        methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base))
+    else:
+        methods[chain] = methods[tree] = "skipped: draft=none"
+
+    rows: dict[str, dict] = {}
+    for name, run in methods.items():
+        if isinstance(run, str):
+            rows[name] = {"skipped": run}
+            continue
+        rows[name] = time_method(run, prompts, cfg.max_new_tokens, device, name, cfg.progress)
+    ar = rows["ar (ours)"]
+    hf = rows["hf generate greedy"]
+    for name, r in rows.items():
+        if "skipped" in r:
+            continue
+        r["vs_our_ar"] = r["tokens_per_s"] / ar["tokens_per_s"] if r["tokens_per_s"] and ar["tokens_per_s"] else None
+        r["vs_hf_generate"] = (r["tokens_per_s"] / hf["tokens_per_s"]
+                               if r["tokens_per_s"] and hf["tokens_per_s"] else None)
+        r["outputs_equal_our_ar"] = sum(o == a for o, a in zip(r["outputs"], ar["outputs"]))
+    prefix = [t for p in prompts for t in p]
+    prefix = (prefix * (cfg.verify_prefix // max(1, len(prefix)) + 1))[: cfg.verify_prefix]
+    sizes = list(cfg.verify_sizes)
+    curve = verify_cost_curve(TargetModel(target.model), prefix, sizes, cfg.verify_repeats, device)
+    hf_curve = hf_verify_cost_curve(target.model, prefix, sizes, cfg.verify_repeats, device)
+
+    result = {"settings": {**dataclasses.asdict(cfg), "target": getattr(target, "name_or_path", None),
+                           "num_prompts": len(prompts), "machine": machine_info(device)},
+              "methods": {n: {k: v for k, v in r.items() if k != "outputs"} for n, r in rows.items()},
+              "verify_cost": curve,
+              "verify_cost_hf": hf_curve,
+              "definitions": {
+                  "tokens_per_s": "generated tokens / wall time of the per-prompt generate calls (prefill "
+                                  "included, one warm-up call excluded), batch size 1, greedy",
+                  "acceptance_length": "tokens from verify rounds (all but the prefill's first) / verify rounds "
+                                       "(our runtime only; AR = 1)",
+                  "outputs_equal_our_ar": "prompts whose output equals our AR output token for token",
+                  "verify_cost": "median wall time of one target forward (our runtime's, as in a verify round) "
+                                 "of num_tokens new tokens appended to a cached prefix of verify_prefix tokens",
+                  "verify_cost_hf": "the same through HF model(...) with a DynamicCache"}}
+    print(format_table(result))
+    if cfg.out:
+        out = Path(cfg.out)
+        out = out if out.suffix == ".json" else out / "bench.json"
+        atomic_write_json(out, result)
+        print(f"wrote {out}")
+    return result
+
+
+def format_table(result: dict) -> str:
+    f = lambda x, nd=2: "n/a" if x is None else f"{x:.{nd}f}"  # noqa: E731
+    n = result["settings"]["num_prompts"]
+    lines = [f"decoding speed: {n} prompts of {result['settings']['dataset']}, max_new_tokens "
+             f"{result['settings']['max_new_tokens']}, {result['settings']['machine']['device']}, "
+             f"{result['settings']['machine']['torch_threads']} threads",
+             f"{'method':<40} {'tok/s':>8} {'vs AR':>7} {'vs HF':>7} {'tau':>6} {'=AR':>6}"]
+    for name, r in result["methods"].items():
+        if "skipped" in r:
+            lines.append(f"{name:<40} {r['skipped']}")
+            continue
+        lines.append(f"{name:<40} {f(r['tokens_per_s'], 1):>8} {f(r['vs_our_ar']):>7} {f(r['vs_hf_generate']):>7} "
+                     f"{f(r['acceptance_length']):>6} {r['outputs_equal_our_ar']:>3}/{n:<2}")
+    lines.append(f"target verify cost: one forward of n tokens on a cached prefix of "
+                 f"{result['settings']['verify_prefix']} tokens")
+    lines.append(f"{'n':>4} {'ours ms':>9} {'x n=1':>6} {'HF ms':>9} {'x n=1':>6}")
+    for c, h in zip(result["verify_cost"], result["verify_cost_hf"]):
+        lines.append(f"{c['num_tokens']:>4} {c['ms']:>9.2f} {c['relative_to_first']:>6.2f} {h['ms']:>9.2f} "
+                     f"{h['relative_to_first']:>6.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    run_bench(parse_kv(BenchConfig, argv))
+    return 0
