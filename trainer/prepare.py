@@ -24,7 +24,8 @@ class Prepared:
 
 def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=print) -> Prepared:
     dc = cfg.data
-    convs, stats = D.load_conversations(dc.dataset, dc.max_samples)
+    # max_samples caps the training conversations; the held-out ones are read in addition
+    convs, stats = D.load_conversations(dc.dataset, None if dc.max_samples is None else dc.max_samples + dc.num_holdout)
     if d.main:
         log(stats.summary(dc.dataset))
     if len(convs) <= dc.num_holdout:
@@ -42,8 +43,6 @@ def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=
     if d.main:
         log(tstats.summary("train tokens"))
         log(hstats.summary("held-out tokens"))
-    if not train:
-        raise ValueError("no usable training samples after tokenization: " + tstats.summary("train"))
     return Prepared(train, held, held_convs)
 
 
@@ -58,7 +57,8 @@ def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: P
     if d.main:
         log(f"regenerating {len(chosen)} of {len(convs)} conversations with the target -> {out}")
         D.regenerate(target, chosen, str(out), max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
-                     top_p=rc.top_p, batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns)
+                     top_p=rc.top_p, batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
+                     chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking)
     barrier(d)
     regen = {c.id: c for c in D.read_jsonl(out)}
     return [regen.get(c.id, c) if i in pick else c for i, c in enumerate(convs)]

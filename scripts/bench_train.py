@@ -1,0 +1,104 @@
+"""Training throughput of a recipe on this machine.
+
+    python scripts/bench_train.py [recipe=eagle3_smollm2] [bench.batches=6] [key=value ...]
+
+Prints, on real samples of the recipe's data: target forward tokens/s (no hooks), capture tokens/s
+(forward with the layer hooks, features copied out), draft training tokens/s on captured features
+(teacher + TTT forward + backward + optimizer step), online training tokens/s (capture + train in one
+step, what `train.py` does with capture.mode=online), the ratio online-train / target-forward (goal
+>= 0.5) and peak memory.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from drafthead.eagle3 import Eagle3Config  # noqa: E402
+from drafthead.registry import build_drafter  # noqa: E402
+from drafthead.target import TargetHead, load_target, lm_head_weight  # noqa: E402
+from drafthead.vocab import build_vocab_mapping, count_tokens, draft_ids  # noqa: E402
+from trainer import loop as L  # noqa: E402
+from trainer.capture import collate, features_for_batch  # noqa: E402
+from trainer.config import parse_or_exit  # noqa: E402
+from trainer.prepare import feature_dtype, prepare_samples  # noqa: E402
+
+
+def main(argv: list[str]) -> None:
+    n_batches = 6
+    rest = []
+    for a in argv:
+        if a.startswith("bench.batches="):
+            n_batches = int(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+    cfg = parse_or_exit(rest + ["data.max_samples=" + str(max(400, 8 * n_batches * 4))])
+    d = L.Dist()
+    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
+    prep = prepare_samples(cfg, target, d, Path("/tmp"), log=lambda *a: None)
+    counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in prep.train), target.config.vocab_size)
+    d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
+    dcfg = Eagle3Config.from_target(target.config, d2t.numel(), cfg.capture.layer_ids,
+                                    ttt_steps=cfg.drafter.ttt_steps)
+    drafter = build_drafter(cfg.drafter.family, dcfg)
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+        drafter.d2t.copy_(d2t)
+        drafter.t2d.copy_(t2d)
+    drafter.train()
+    head = TargetHead(lm_head_weight(target.model), draft_ids(d2t))
+    engine = L.TorchEngine(drafter, cfg, 1000, d)
+    fdt = feature_dtype(cfg.capture.dtype)
+    layer_ids = drafter.capture_layer_ids()
+    bs = cfg.train.batch_size
+    pad = target.tokenizer.pad_token_id
+    batches = [collate(prep.train[i * bs:(i + 1) * bs], pad) for i in range(n_batches + 1)]
+
+    def timed(fn) -> float:
+        fn(batches[0])  # warm-up
+        tok, t0 = 0, time.perf_counter()
+        for b in batches[1:]:
+            fn(b)
+            tok += int(b["attention_mask"].sum())
+        return tok / (time.perf_counter() - t0)
+
+    def fwd(b):
+        with torch.no_grad():
+            target.model.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], use_cache=False)
+
+    feats = {}
+
+    def cap(b):
+        feats[id(b)] = features_for_batch(target, b, layer_ids, fdt)
+
+    def train_step(fb):
+        with L.autocast(cfg.train.dtype, d.device, engine.kind):
+            out = engine.forward(**L.drafter_inputs(fb, head))
+        engine.backward(out["loss"])
+        engine.step()
+
+    fwd_tps = timed(fwd)
+    cap_tps = timed(cap)
+    train_tps = timed(lambda b: train_step(feats[id(b)]))
+    online_tps = timed(lambda b: train_step(features_for_batch(target, b, layer_ids, fdt)))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"recipe {cfg.recipe}: target {cfg.target.name_or_path} ({cfg.target.dtype}), draft vocab {d2t.numel()}, "
+          f"TTT {dcfg.ttt_steps}, batch {bs} x <= {cfg.data.max_length} tokens, train dtype {cfg.train.dtype}, "
+          f"threads {torch.get_num_threads()}")
+    print(f"target forward      {fwd_tps:8.0f} tok/s")
+    print(f"capture (3 layers)  {cap_tps:8.0f} tok/s")
+    print(f"draft train step    {train_tps:8.0f} tok/s   (features given)")
+    print(f"online train step   {online_tps:8.0f} tok/s   (capture + train)")
+    print(f"online / forward    {online_tps / fwd_tps:8.2f}      (goal >= 0.5)")
+    print(f"peak memory (RSS)   {peak:8.0f} MiB")
+    if torch.cuda.is_available():
+        print(f"peak CUDA memory    {torch.cuda.max_memory_allocated() / 2**20:8.0f} MiB")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
