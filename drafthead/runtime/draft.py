@@ -1,0 +1,258 @@
+"""Proposals for one verify round: EAGLE3 chain, EAGLE-2 dynamic tree, n-gram (prompt lookup).
+
+Every proposal is a token tree (a chain is parents[i] = i - 1) whose node 0 is the root = the last
+accepted token, which the target has not processed yet. The target verifies the whole tree in one
+forward, so drafting only has to produce `Proposal` tensors.
+
+EAGLE3 draft positions (see `Eagle3Drafter.decode`): the draft's prefix entry at position t is
+(token x_{t+1}, fuse(f_t)) and predicts x_{t+2}. The draft prefix always covers exactly the tokens the
+target has cached, so after a round it is extended with the accepted path and its fresh target features;
+entries made while speculating are never kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafthead.runtime.sampling import probs, sample
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, N] target ids, node 0 = root
+    parents: torch.Tensor  # [B, N] parent node (-1 for the root), parents[b, i] < i
+    num_nodes: torch.Tensor  # [B] valid nodes (root included); the rest is padding
+    depth: torch.Tensor  # [B] draft tokens along the deepest path (= num_drafted)
+    draft_probs: torch.Tensor | None = None  # [B, N, V] distribution each node was sampled from (chains)
+    is_chain: bool = True  # every row is a chain (parents[i] = i - 1)
+
+
+def chain_proposal(roots: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor,
+                   draft_probs: torch.Tensor | None = None) -> Proposal:
+    """roots [B], drafts [B, K] (the first lengths[b] count), draft_probs [B, K, V] | None -> chain Proposal."""
+    B, K = drafts.shape
+    tokens = torch.cat([roots[:, None], drafts], dim=1)  # [B, K+1]
+    parents = torch.arange(-1, K, device=roots.device).expand(B, K + 1).contiguous()  # [B, K+1]
+    if draft_probs is not None:
+        draft_probs = torch.cat([torch.zeros_like(draft_probs[:, :1]), draft_probs], dim=1)  # the root has no q
+    return Proposal(tokens, parents, lengths + 1, lengths.clone(), draft_probs, True)
+
+
+def ngram_lookup(history: list[int], n: int, max_len: int) -> list[int]:
+    """Prompt lookup: continue the most recent earlier occurrence of the last n (then n-1, .., 1) tokens.
+
+    Returns up to max_len proposed tokens (possibly none).
+    """
+    L = len(history)
+    if max_len <= 0 or L < 2:
+        return []
+    seq = np.asarray(history, dtype=np.int64)
+    for m in range(min(n, L - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(seq[: L - 1], m)  # starts 0 .. L-1-m
+        hits = np.flatnonzero((windows == seq[L - m:]).all(axis=1))  # all have a continuation token
+        if hits.size:
+            start = int(hits[-1]) + m
+            return seq[start: start + max_len].tolist()
+    return []
+
+
+def merge_ngram(prop: Proposal, ngram: list[list[int]], use: list[bool]) -> Proposal:
+    """Replace the rows with use[b] by their n-gram chain; the q of an n-gram token is one-hot."""
+    if not any(use):
+        return prop
+    B, N = prop.tokens.shape
+    N2 = max([N] + [len(g) + 1 for g, u in zip(ngram, use) if u])
+    tokens = F.pad(prop.tokens, (0, N2 - N))
+    parents = F.pad(prop.parents, (0, N2 - N))
+    q = None if prop.draft_probs is None else F.pad(prop.draft_probs, (0, 0, 0, N2 - N))
+    num_nodes, depth = prop.num_nodes.clone(), prop.depth.clone()
+    chain = torch.arange(-1, N2 - 1, device=tokens.device)
+    for b in range(B):
+        if not use[b]:
+            continue
+        g = torch.tensor(ngram[b], dtype=torch.long, device=tokens.device)
+        n = g.numel()
+        tokens[b, 1:] = 0
+        tokens[b, 1: 1 + n] = g
+        parents[b] = chain
+        num_nodes[b], depth[b] = n + 1, n
+        if q is not None:
+            q[b] = 0
+            q[b, torch.arange(1, 1 + n), g] = 1.0
+    return Proposal(tokens, parents, num_nodes, depth, q, prop.is_chain)
+
+
+class DraftRunner:
+    """EAGLE3 drafter state for a batch: static prefix KV cache + this round's speculative entries.
+
+    Args:
+        drafter: an `Eagle3Drafter` (or any module with `config`, `fuse`, `decode`, `draft_to_target`).
+        batch, capacity: rows and max prefix entries of the static cache.
+    """
+
+    def __init__(self, drafter: nn.Module, batch: int, capacity: int, device: torch.device) -> None:
+        c = drafter.config
+        self.drafter = drafter
+        dtype = next(drafter.parameters()).dtype
+        self.k = torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # prefix entries per request
+        self.draft_vocab = drafter.draft_to_target(torch.arange(c.draft_vocab_size, device=device))  # [N]
+        self.vocab_size = c.vocab_size
+        self.spec_k: torch.Tensor | None = None  # [B, kvh, E, D] entries made while speculating
+        self.spec_v: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # [B, N] draft logits for the token after the root
+        self.hidden: torch.Tensor | None = None  # [B, H] output hidden of the root's prefix entry
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (finished requests leave the batch)."""
+        self.k, self.v, self.lens = self.k[rows], self.v[rows], self.lens[rows]
+        self.logits, self.hidden = self.logits[rows], self.hidden[rows]
+
+    def to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.draft_vocab[idx]
+
+    def full_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab probabilities [..., N] -> target vocab [..., V] (zero outside the draft vocab)."""
+        out = q.new_zeros(*q.shape[:-1], self.vocab_size)
+        out[..., self.draft_vocab] = q
+        return out
+
+    def decode(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               spec_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft forward on T new entries that see their prefix plus the spec entries in spec_mask.
+
+        tokens [B, T] target ids, hidden [B, T, H], positions [B, T], spec_mask [B, T, E+T] bool over
+        (existing spec entries, new entries). The new K/V are appended to the spec entries.
+        Returns (logits [B, T, N], out hidden [B, T, H]).
+        """
+        B, T = tokens.shape
+        S = int(self.lens.max())
+        pk, pv = self.k[:, :, :S], self.v[:, :, :S]
+        if self.spec_k is not None:
+            pk, pv = torch.cat([pk, self.spec_k], dim=2), torch.cat([pv, self.spec_v], dim=2)
+        prefix = torch.arange(S, device=tokens.device)[None] < self.lens[:, None]  # [B, S]
+        mask = torch.cat([prefix[:, None, :].expand(B, T, S), spec_mask], dim=-1)[:, None]  # [B, 1, T, S+E+T]
+        logits, out, (k, v) = self.drafter.decode(tokens, hidden, positions, (pk, pv), mask)
+        new_k, new_v = k[:, :, -T:], v[:, :, -T:]  # [B, kvh, T, D]
+        self.spec_k = new_k if self.spec_k is None else torch.cat([self.spec_k, new_k], dim=2)
+        self.spec_v = new_v if self.spec_v is None else torch.cat([self.spec_v, new_v], dim=2)
+        return logits, out
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append prefix entries: tokens [B, T] = x_{t+1}, feats [B, T, F] = target aux f_t, counts[b] valid.
+
+        Drops this round's speculative entries and sets `logits` / `hidden` from each request's last entry.
+        """
+        B, T = tokens.shape
+        self.spec_k = self.spec_v = None
+        offs = torch.arange(T, device=tokens.device)
+        slots = self.lens[:, None] + offs  # [B, T]; padded entries land past the new length
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
+        logits, out = self.decode(tokens, self.drafter.fuse(feats), slots, causal)
+        rows = torch.arange(B, device=tokens.device)
+        self.k[rows[:, None], :, slots] = self.spec_k.transpose(1, 2)  # indexed view is [B, T, kvh, D]
+        self.v[rows[:, None], :, slots] = self.spec_v.transpose(1, 2)
+        self.spec_k = self.spec_v = None
+        last = counts - 1
+        self.logits, self.hidden = logits[rows, last], out[rows, last]  # [B, N], [B, H]
+        self.lens = self.lens + counts
+
+    @torch.inference_mode()
+    def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k draft tokens per request, greedy or sampled. Returns (drafts [B, k] target ids, q [B, k, V] | None)."""
+        logits, h = self.logits, self.hidden  # [B, N], [B, H]
+        B, dev = logits.shape[0], logits.device
+        drafts, qs = [], []
+        for j in range(k):
+            if temperature > 0:
+                q = probs(logits, temperature, top_p)  # [B, N]
+                d = sample(q, torch.rand(B, generator=gen, device=dev))
+                qs.append(self.full_probs(q))
+            else:
+                d = logits.argmax(-1)  # [B]
+            drafts.append(d)
+            if j == k - 1:
+                break
+            # draft j's entry sits at position lens + j and sees the prefix and drafts 0..j
+            seen = torch.ones(B, 1, j + 1, dtype=torch.bool, device=dev)
+            lg, out = self.decode(self.to_target(d)[:, None], h[:, None], (self.lens + j)[:, None], seen)
+            logits, h = lg[:, 0], out[:, 0]
+        drafts = self.to_target(torch.stack(drafts, dim=1))  # [B, k]
+        return drafts, (torch.stack(qs, dim=1) if qs else None)
+
+    @torch.inference_mode()
+    def tree(self, roots: torch.Tensor, topk: int, depth: int, budget: int,
+             max_depth: torch.Tensor | None = None) -> Proposal:
+        """EAGLE-2 dynamic tree: expand the `topk` best frontier nodes by cumulative log-prob for `depth`
+        levels (topk children each), then keep the best `budget` nodes over all levels.
+
+        max_depth [B] (adaptive) drops nodes deeper than max_depth[b] from the final selection.
+        """
+        B, dev, k = roots.shape[0], roots.device, topk
+        score, tok = torch.log_softmax(self.logits.float(), dim=-1).topk(k, dim=-1)  # [B, k] depth-1 nodes
+        pool_tok, pool_score = [tok], [score]
+        pool_parent = [torch.full((B, k), -1, dtype=torch.long, device=dev)]
+        pool_depth = [torch.ones(B, k, dtype=torch.long, device=dev)]
+        front = torch.arange(k, device=dev).expand(B, k)  # [B, k] pool ids of the frontier
+        front_tok, front_score = tok, score
+        front_hidden = self.hidden[:, None].expand(B, k, self.hidden.shape[-1])  # [B, k, H] parent outputs
+        front_parent = torch.full((B, k), -1, dtype=torch.long, device=dev)  # spec entry of the parent
+        anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, E, E] ancestor-or-self among spec entries
+        for d in range(2, depth + 1):
+            E = anc.shape[1]
+            # a new entry sees its parent's entry with that entry's ancestors (none under the root), and itself
+            par_rows = anc.gather(1, front_parent.clamp(min=0)[:, :, None].expand(B, k, E))  # [B, k, E]
+            par_rows = par_rows & (front_parent >= 0)[:, :, None]
+            new_rows = torch.cat([par_rows, torch.eye(k, dtype=torch.bool, device=dev).expand(B, k, k)], -1)
+            anc = torch.cat([F.pad(anc, (0, k)), new_rows], dim=1)  # [B, E+k, E+k]
+            pos = (self.lens + d - 2)[:, None].expand(B, k)  # entry of a depth-(d-1) node
+            logits, out = self.decode(self.to_target(front_tok), front_hidden, pos, new_rows)
+            child_score, child_tok = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # [B, k, k]
+            cum = (front_score[:, :, None] + child_score).reshape(B, k * k)
+            pool_tok.append(child_tok.reshape(B, k * k))
+            pool_score.append(cum)
+            pool_parent.append(front.repeat_interleave(k, dim=1))
+            pool_depth.append(torch.full((B, k * k), d, dtype=torch.long, device=dev))
+            n_before = sum(t.shape[1] for t in pool_tok[:-1])
+            front_score, best = cum.topk(k, dim=-1)  # [B, k] next frontier among the new candidates
+            front = n_before + best
+            front_tok = pool_tok[-1].gather(1, best)
+            front_hidden = out.gather(1, (best // k)[:, :, None].expand(-1, -1, out.shape[-1]))
+            front_parent = E + best // k
+        return select_nodes(roots, self.to_target(torch.cat(pool_tok, 1)), torch.cat(pool_score, 1),
+                            torch.cat(pool_parent, 1), torch.cat(pool_depth, 1), budget, max_depth)
+
+
+def select_nodes(roots: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor,
+                 depth: torch.Tensor, budget: int, max_depth: torch.Tensor | None) -> Proposal:
+    """Keep the `budget` best pool nodes (cumulative log-prob) as a verify tree rooted at `roots`.
+
+    tok/score/parent/depth [B, P] in pool order (= depth order; parent is a pool id or -1 for the root).
+    A child never scores above its parent and the stable sort keeps pool order among ties, so the kept
+    set holds every kept node's ancestors.
+    """
+    B, P = score.shape
+    dev = score.device
+    if max_depth is not None:
+        score = score.masked_fill(depth > max_depth[:, None], float("-inf"))
+    M = min(budget, P)
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :M]  # [B, M]
+    valid = score.gather(1, order) > float("-inf")
+    keep = torch.sort(order.masked_fill(~valid, P), dim=1).values  # [B, M] pool ids in depth order, pad = P
+    valid = keep < P
+    new_id = torch.zeros(B, P + 1, dtype=torch.long, device=dev)  # pool id -> node id (slot P takes padding)
+    new_id.scatter_(1, keep, torch.arange(1, M + 1, device=dev).expand(B, M).contiguous())
+    keep = keep.clamp(max=P - 1)
+    par = parent.gather(1, keep)  # [B, M]
+    par = torch.where(par < 0, 0, new_id.gather(1, par.clamp(min=0))).masked_fill(~valid, 0)
+    tokens = torch.cat([roots[:, None], tok.gather(1, keep)], dim=1)  # [B, M+1]
+    parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), par], dim=1)  # [B, M+1]
+    kept_depth = depth.gather(1, keep).masked_fill(~valid, 0)
+    return Proposal(tokens, parents, 1 + valid.sum(1), kept_depth.amax(1), None, False)

@@ -1,0 +1,384 @@
+"""Speculative generation: draft (chain / EAGLE-2 tree / n-gram) -> one target verify forward -> accept.
+
+One round for a batch of requests (each at its own length):
+  1. propose a token tree per request; node 0 is the root = last accepted token, not yet in the target cache
+  2. one target forward over all nodes with the tree mask (positions = cache length + depth), capturing
+     the EAGLE3 aux features
+  3. greedy match or lossless rejection sampling -> accept_len, path, next_token (the bonus)
+  4. compact the target KV of the accepted path (tree) and advance the lengths; nothing is recomputed
+  5. emit tokens (stop at EOS / budget), drop finished requests from the batch
+  6. extend the draft prefix with (accepted token, target feature) pairs of the path
+Mode "ar" is a plain loop over the same target forward (the baseline for speedups).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from drafthead.runtime import ops
+from drafthead.runtime.draft import DraftRunner, Proposal, chain_proposal, merge_ngram, ngram_lookup
+from drafthead.runtime.model import TargetModel
+from drafthead.runtime.sampling import probs, sample
+from drafthead.target import Target
+
+MODES = ("ar", "chain", "tree", "ngram")
+EMA_ALPHA = 0.2  # weight of the newest round in the acceptance EMA (SGLang's adaptive default)
+NGRAM_STACK_FACTOR = 2  # a stacked n-gram chain may be this many times longer than the drafter's proposal
+
+
+@dataclass
+class SpecConfig:
+    mode: str = "chain"  # "ar" (no drafting: our own autoregressive loop) | "chain" | "tree" | "ngram"
+    num_draft_tokens: int = 4  # chain: k drafts per round; tree: node budget (excl. root)
+    depth: int = 5  # tree depth (EAGLE-2 dynamic tree)
+    topk: int = 4  # tree: children expanded per node
+    temperature: float = 0.0
+    top_p: float = 1.0
+    adaptive: bool = False  # adaptive draft depth (chain: k in [1, max]; tree: depth)
+    ngram: bool = False  # stack the n-gram / prompt-lookup drafter with the trained drafter (longer proposal wins)
+    ngram_n: int = 3  # match length for prompt lookup
+    seed: int = 0
+    batch_size: int = 1  # requests verified together
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens (EOS included if hit, nothing after it)
+    num_rounds: int  # target verify forwards after prefill
+    accept_lens: list[int]  # per round: accepted draft tokens (bonus excluded)
+    num_drafted: list[int]  # per round: draft tokens proposed along the verified chain/tree depth
+    time_s: float
+    stopped_eos: bool
+
+
+@dataclass
+class _Request:
+    index: int  # position in the caller's prompt list
+    prompt: list[int]
+    limit: int  # max new tokens (budget capped by the context)
+    out: list[int] = field(default_factory=list)
+    accept_lens: list[int] = field(default_factory=list)
+    num_drafted: list[int] = field(default_factory=list)
+    eos: bool = False
+    time_s: float = 0.0
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.out
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.out, len(self.accept_lens), self.accept_lens, self.num_drafted,
+                                self.time_s, self.eos)
+
+
+class SpeculativeGenerator:
+    """Generate with a frozen target and an optional trained drafter (EAGLE3).
+
+    Args:
+        target: the frozen target (`drafthead.target.Target`; Llama / Qwen2 / Qwen3 architecture).
+        drafter: an `Eagle3Drafter` trained for this target, or None (modes "ar" and "ngram" only).
+        device: where to run.
+    Raises:
+        ValueError: unsupported target, or a drafter that does not fit the target.
+    """
+
+    def __init__(self, target: Target, drafter: nn.Module | None = None, device: str | torch.device = "cpu"
+                 ) -> None:
+        self.target = target
+        self.device = torch.device(device)
+        self.drafter = drafter.to(self.device).eval() if drafter is not None else None
+        aux = check_drafter(drafter, target.config) if drafter is not None else []
+        self.model = TargetModel(target.model.to(self.device), aux)
+        self.eos = eos_ids(target)
+
+    # ---- public ---------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig,
+                 stream: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+        """Generate for each prompt (token ids); batches of `spec.batch_size` are verified together.
+
+        stream(i, tokens) is called with the tokens request i gained in each round.
+        Raises ValueError on bad input (empty or too long prompt, max_new_tokens <= 0, bad spec).
+        """
+        self.check(prompts, max_new_tokens, spec)
+        gen = torch.Generator(device=self.device).manual_seed(spec.seed)
+        ctx = self.model.max_positions
+        results: list[GenerationResult] = []
+        for s in range(0, len(prompts), spec.batch_size):
+            reqs = [_Request(s + i, list(p), min(max_new_tokens, ctx - len(p) + 1))
+                    for i, p in enumerate(prompts[s: s + spec.batch_size])]
+            self.run_batch(reqs, spec, gen, stream)
+            results += [r.result() for r in reqs]
+        return results
+
+    def check(self, prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig) -> None:
+        if spec.mode not in MODES:
+            raise ValueError(f"unknown spec mode {spec.mode!r} (choose from {', '.join(MODES)})")
+        if spec.mode in ("chain", "tree") and self.drafter is None:
+            raise ValueError(f"spec mode {spec.mode!r} needs a drafter (or use mode 'ngram' / 'ar')")
+        for name in ("num_draft_tokens", "depth", "topk", "batch_size", "ngram_n"):
+            if getattr(spec, name) < 1:
+                raise ValueError(f"spec.{name} must be >= 1, got {getattr(spec, name)}")
+        if spec.temperature < 0:
+            raise ValueError(f"spec.temperature must be >= 0, got {spec.temperature}")
+        if not 0 < spec.top_p <= 1:
+            raise ValueError(f"spec.top_p must be in (0, 1], got {spec.top_p}")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if not prompts:
+            raise ValueError("no prompts given")
+        ctx, V = self.model.max_positions, self.model.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > ctx:
+                raise ValueError(f"prompt {i} has {len(p)} tokens, longer than the target context "
+                                 f"(max_position_embeddings={ctx})")
+            if min(p) < 0 or max(p) >= V:
+                raise ValueError(f"prompt {i} has token ids outside the target vocab [0, {V})")
+
+    # ---- one batch ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_batch(self, reqs: list[_Request], spec: SpecConfig, gen: torch.Generator,
+                  stream: Callable[[int, list[int]], None] | None) -> None:
+        s = _Session(self, reqs, spec, gen, stream)
+        s.prefill()
+        while s.reqs:
+            s.step()
+
+
+class _Session:
+    """Decoding state of one batch. Row b of every tensor is request self.reqs[b]; rows leave when done."""
+
+    def __init__(self, g: SpeculativeGenerator, reqs: list[_Request], spec: SpecConfig, gen: torch.Generator,
+                 stream: Callable[[int, list[int]], None] | None) -> None:
+        self.g, self.spec, self.gen, self.stream = g, spec, gen, stream
+        self.reqs = list(reqs)
+        self.t0 = time.perf_counter()
+        self.dev = g.device
+        B = len(reqs)
+        self.use_drafter = spec.mode in ("chain", "tree")
+        self.use_ngram = spec.mode == "ngram" or (self.use_drafter and spec.ngram)
+        # longest drafter proposal along one path, verify nodes per round, n-gram proposal cap
+        if spec.mode == "tree":
+            self.max_len, self.max_nodes = spec.depth, self.tree_budget()
+            self.ngram_cap = self.max_nodes  # the n-gram chain then costs what the tree would
+        elif spec.mode == "chain":
+            self.max_len = self.max_nodes = spec.num_draft_tokens
+            self.ngram_cap = NGRAM_STACK_FACTOR * spec.num_draft_tokens
+        else:
+            self.max_len = self.max_nodes = 0
+            self.ngram_cap = spec.num_draft_tokens if spec.mode == "ngram" else 0
+        self.max_nodes = max(self.max_nodes, self.ngram_cap if self.use_ngram else 0)
+        longest = max(len(r.prompt) + r.limit for r in reqs)
+        self.capacity = longest + self.max_nodes + 2
+        self.cache = g.model.new_cache(B, self.capacity)
+        self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
+        self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached
+        self.draft = DraftRunner(g.drafter, B, self.capacity, self.dev) if self.use_drafter else None
+        # adaptive draft length per request: EMA of accept_len, k = round(ema) + 1
+        self.ema = torch.full((B,), (self.max_len - 1) / 2, device=self.dev)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next token from target logits [B, V]: argmax, or a draw from the tempered / top-p distribution."""
+        if self.spec.temperature == 0:
+            return logits.argmax(-1)
+        p = probs(logits, self.spec.temperature, self.spec.top_p)
+        return sample(p, torch.rand(p.shape[0], generator=self.gen, device=self.dev))
+
+    def emit(self, new: list[list[int]]) -> list[int]:
+        """Append each row's new tokens (cut at EOS / budget), stream them; returns the rows still running."""
+        keep = []
+        for b, (r, toks) in enumerate(zip(self.reqs, new)):
+            toks = toks[: r.limit - len(r.out)]
+            for i, t in enumerate(toks):
+                if t in self.g.eos:
+                    toks, r.eos = toks[: i + 1], True
+                    break
+            r.out += toks
+            if self.stream is not None and toks:
+                self.stream(r.index, toks)
+            if r.eos or len(r.out) >= r.limit:
+                r.time_s = time.perf_counter() - self.t0
+            else:
+                keep.append(b)
+        return keep
+
+    def select(self, keep: list[int]) -> None:
+        if len(keep) == len(self.reqs):
+            return
+        rows = torch.tensor(keep, dtype=torch.long, device=self.dev)
+        self.reqs = [self.reqs[b] for b in keep]
+        self.cache, self.lens = self.cache[rows], self.lens[rows]
+        self.roots, self.ema = self.roots[rows], self.ema[rows]
+        if self.draft is not None:
+            self.draft.select(rows)
+
+    def draft_lengths(self) -> torch.Tensor:
+        """Per-request draft length (chain k / tree depth): fixed, or adaptive from the acceptance EMA."""
+        B = len(self.reqs)
+        if not self.spec.adaptive:
+            return torch.full((B,), self.max_len, dtype=torch.long, device=self.dev)
+        return (self.ema.round().long() + 1).clamp(1, self.max_len)
+
+    # ---- prefill --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self) -> None:
+        B = len(self.reqs)
+        plen = torch.tensor([len(r.prompt) for r in self.reqs], device=self.dev)
+        T = int(plen.max())
+        ids = torch.zeros(B, T, dtype=torch.long, device=self.dev)
+        for b, r in enumerate(self.reqs):
+            ids[b, : len(r.prompt)] = torch.tensor(r.prompt, device=self.dev)
+        logits, aux = self.g.model.forward(self.cache, ids, self.lens, logits_at=plen - 1, capture=self.use_drafter)
+        first = self.pick(logits[:, 0])  # [B]
+        self.lens = plen.clone()
+        self.roots = first
+        if self.draft is not None:
+            # draft entry t pairs token x_{t+1} with f_t; x_L is the token just sampled
+            nxt = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # [B, T]
+            nxt[torch.arange(B, device=self.dev), plen - 1] = first
+            self.draft.extend(nxt, aux, plen)
+        keep = self.emit([[t] for t in first.tolist()])
+        self.select(keep)
+
+    # ---- one round ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        if self.spec.mode == "ar":
+            return self.step_ar()
+        prop = self.propose()
+        tree = None if prop.is_chain else ops.build_tree_mask(prop.parents, prop.num_nodes)
+        logits, aux = self.g.model.forward(self.cache, prop.tokens, self.lens,
+                                           tree_mask=None if tree is None else tree[0],
+                                           depth=None if tree is None else tree[1], capture=self.use_drafter)
+        accept_len, path, nxt = self.verify(prop, logits)
+        # target KV: move the accepted path next to the prefix (a chain path is already contiguous)
+        if not prop.is_chain:
+            ops.kv_compact(self.cache, self.lens[:, None] + path.clamp(min=0), accept_len + 1, self.lens)
+        B = len(self.reqs)
+        rows = torch.arange(B, device=self.dev)
+        ptoks = prop.tokens.gather(1, path.clamp(min=0))  # [B, N] tokens along the path (root first)
+        new = []
+        for b, r in enumerate(self.reqs):
+            a = int(accept_len[b])
+            new.append(ptoks[b, 1: a + 1].tolist() + [int(nxt[b])])
+            r.accept_lens.append(a)
+            r.num_drafted.append(int(prop.depth[b]))
+        self.lens = self.lens + accept_len + 1
+        self.roots = nxt
+        self.ema = (1 - EMA_ALPHA) * self.ema + EMA_ALPHA * accept_len.float()
+        if self.draft is None:
+            return self.select(self.emit(new))
+        # draft entries for the accepted path: (token after node j, target feature of node j), j <= accept_len
+        T = int(accept_len.max()) + 1
+        nxt_tok = torch.cat([ptoks[:, 1:], ptoks[:, :1]], dim=1)[:, :T]  # [B, T]
+        nxt_tok[rows, accept_len] = nxt
+        feats = aux.gather(1, path[:, :T].clamp(min=0)[:, :, None].expand(-1, -1, aux.shape[-1]))  # [B, T, F]
+        keep = self.emit(new)
+        self.select(keep)
+        if keep:
+            rows = torch.tensor(keep, dtype=torch.long, device=self.dev)
+            self.draft.extend(nxt_tok[rows], feats[rows], accept_len[rows] + 1)
+
+    def step_ar(self) -> None:
+        logits, _ = self.g.model.forward(self.cache, self.roots[:, None], self.lens)
+        self.lens = self.lens + 1
+        self.roots = self.pick(logits[:, -1])
+        for r in self.reqs:
+            r.accept_lens.append(0)
+            r.num_drafted.append(0)
+        self.select(self.emit([[t] for t in self.roots.tolist()]))
+
+    def propose(self) -> Proposal:
+        spec, B = self.spec, len(self.reqs)
+        lengths = self.draft_lengths()  # [B]
+        if spec.mode == "ngram":
+            prop = chain_proposal(self.roots, torch.zeros(B, 0, dtype=torch.long, device=self.dev),
+                                  torch.zeros(B, dtype=torch.long, device=self.dev))
+            lengths = lengths * 0
+        elif spec.mode == "chain":
+            drafts, q = self.draft.chain(int(lengths.max()), spec.temperature, spec.top_p, self.gen)
+            prop = chain_proposal(self.roots, drafts, lengths, q)
+        else:
+            prop = self.draft.tree(self.roots, spec.topk, int(lengths.max()), self.tree_budget(),
+                                   lengths if spec.adaptive else None)
+        if self.use_ngram:
+            grams = [ngram_lookup(r.history, spec.ngram_n, self.ngram_cap) for r in self.reqs]
+            use = [len(g) > int(n) for g, n in zip(grams, prop.depth)]
+            prop = merge_ngram(prop, grams, use)
+        return prop
+
+    def tree_budget(self) -> int:
+        s = self.spec  # the pool holds topk + (depth-1)*topk^2 candidates
+        return min(s.num_draft_tokens, s.topk + (s.depth - 1) * s.topk ** 2)
+
+    def verify(self, prop: Proposal, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy match or rejection sampling over the proposal. logits [B, N, V] at every node.
+
+        Returns accept_len [B], path [B, N] (node ids, -1 padded) and next_token [B].
+        """
+        spec = self.spec
+        B, N = prop.tokens.shape
+        # the chain ops assume every row has all N nodes; ragged rows (adaptive, n-gram) take the tree path
+        uniform = prop.is_chain and bool((prop.num_nodes == N).all())
+        if spec.temperature == 0:
+            argmax = logits.argmax(-1)  # [B, N]
+            if uniform:
+                accept_len, nxt = ops.greedy_verify_chain(prop.tokens[:, 1:], argmax)
+                return accept_len, chain_path(accept_len, N), nxt
+            return ops.greedy_verify_tree(prop.tokens, prop.parents, prop.num_nodes, argmax)
+        p = probs(logits, spec.temperature, spec.top_p)  # [B, N, V]
+        u = torch.rand(B, N, generator=self.gen, device=self.dev)
+        ub = torch.rand(B, generator=self.gen, device=self.dev)
+        q = prop.draft_probs
+        if uniform:
+            accept_len, nxt = ops.rejection_sample_chain(prop.tokens[:, 1:], None if q is None else q[:, 1:],
+                                                         p, u[:, 1:], ub)
+            return accept_len, chain_path(accept_len, N), nxt
+        return ops.rejection_sample_tree(prop.tokens, prop.parents, prop.num_nodes, p, q, u, ub)
+
+
+def chain_path(accept_len: torch.Tensor, N: int) -> torch.Tensor:
+    """Accepted node ids of a chain: 0..accept_len, then -1. [B, N]"""
+    idx = torch.arange(N, device=accept_len.device).expand(accept_len.shape[0], N)
+    return torch.where(idx <= accept_len[:, None], idx, -1)
+
+
+def check_drafter(drafter: nn.Module, tcfg) -> list[int]:
+    """Raise ValueError when the drafter was not built for this target; returns its aux layer ids."""
+    c = drafter.config
+    problems = []
+    if c.target_hidden_size != tcfg.hidden_size:
+        problems.append(f"hidden size: draft expects target_hidden_size={c.target_hidden_size}, "
+                        f"target has hidden_size={tcfg.hidden_size}")
+    if c.vocab_size != tcfg.vocab_size:
+        problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
+    n = tcfg.num_hidden_layers
+    bad = [i for i in c.aux_layer_ids if not 0 <= i < n]
+    if bad or not c.aux_layer_ids:
+        problems.append(f"aux layer ids {list(c.aux_layer_ids)} out of range for a target with {n} decoder layers")
+    if not problems:
+        top = int(drafter.draft_to_target(torch.arange(c.draft_vocab_size, device=drafter.d2t.device)).max())
+        if top >= tcfg.vocab_size:
+            problems.append(f"vocab: d2t maps draft ids to target id {top} >= target vocab {tcfg.vocab_size}")
+    if problems:
+        raise ValueError("draft/target mismatch: " + "; ".join(problems))
+    return list(c.aux_layer_ids)
+
+
+def eos_ids(target: Target) -> set[int]:
+    """All EOS ids the target stops on (tokenizer, generation config, model config)."""
+    ids: set[int] = set()
+    sources = [getattr(target.tokenizer, "eos_token_id", None) if target.tokenizer is not None else None,
+               getattr(getattr(target.model, "generation_config", None), "eos_token_id", None),
+               getattr(target.config, "eos_token_id", None)]
+    for e in sources:
+        if e is None:
+            continue
+        ids.update(e if isinstance(e, (list, tuple)) else [e])
+    return {int(i) for i in ids}

@@ -1,0 +1,158 @@
+"""Lean decode-time forward of a HF Llama / Qwen2 / Qwen3 target over a static, ragged KV cache.
+
+Why not HF `model(...)` with a `DynamicCache`: each call pays for mask/cache bookkeeping written for
+generality, and a tree verify needs a custom 4D mask plus index-select rollback of every layer.
+Here the decoder loop is ~20 lines (gpt-fast style) and reuses the HF submodules as they are (norms,
+projections, MLP, rotary embedding, lm_head), so the weights are shared, not copied, and the math is
+HF's. What we own is attention: K/V go into one preallocated tensor, each request at its own length.
+
+Cache layout: one tensor [B, L*2*kvh, S, D]; layer i keys are channels [2i*kvh, (2i+1)*kvh), values
+the next kvh. One tensor means a tree rollback is one `kv_compact` call for all layers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafthead.layers import apply_rope
+from drafthead.target import base_model, check_layer_ids, decoder_layers
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+class TargetModel:
+    """Forward of the frozen target for prefill / decode / verify with optional aux-feature capture.
+
+    Args:
+        model: HF causal LM (Llama, Qwen2 or Qwen3 architecture), frozen.
+        aux_layer_ids: decoder layers whose *input* is returned as aux features (EAGLE3 capture).
+    """
+
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | tuple[int, ...] = ()) -> None:
+        c = model.config
+        if c.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"target model_type {c.model_type!r} is not supported by the runtime "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])) or \
+                getattr(c, "use_sliding_window", False):
+            raise ValueError("target uses sliding-window attention, which the runtime does not implement")
+        self.model = model
+        self.base = base_model(model)
+        self.layers = decoder_layers(model)
+        check_layer_ids(list(aux_layer_ids), len(self.layers))
+        self.aux_layer_ids = list(aux_layer_ids)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_kv_heads = c.num_key_value_heads
+        self.num_layers = len(self.layers)
+        self.max_positions = int(getattr(c, "max_position_embeddings", 1 << 30))
+        self.vocab_size = c.vocab_size
+        self.hidden_size = c.hidden_size
+        self.qk_norm = hasattr(attn, "q_norm")
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+
+    def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
+        """Zeroed KV cache [B, L*2*kvh, S, D]."""
+        return torch.zeros(batch, self.num_layers * 2 * self.num_kv_heads, capacity, self.head_dim,
+                           dtype=self.dtype, device=self.device)
+
+    def layer_kv(self, cache: torch.Tensor, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of layer i's keys and values, each [B, kvh, S, D]."""
+        h = self.num_kv_heads
+        return cache[:, 2 * i * h: (2 * i + 1) * h], cache[:, (2 * i + 1) * h: (2 * i + 2) * h]
+
+    @torch.inference_mode()
+    def forward(self, cache: torch.Tensor, input_ids: torch.Tensor, lens: torch.Tensor,
+                tree_mask: torch.Tensor | None = None, depth: torch.Tensor | None = None,
+                logits_at: torch.Tensor | None = None, capture: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run T new tokens per request and write their K/V at slots lens[b] .. lens[b]+T-1.
+
+        Args:
+            cache: [B, L*2*kvh, S, D], updated in place.
+            input_ids: [B, T] (right padding allowed: padded entries land after the valid ones).
+            lens: [B] tokens already in the cache per request (= rope position of the first new token).
+            tree_mask: [B, T, T] bool ancestor-or-self mask among the new tokens; None = causal.
+            depth: [B, T] rope offset of each new token from lens (tree depth); None = 0..T-1.
+            logits_at: [B] index of the single new token per request whose logits are wanted; None = all.
+            capture: also return the aux features (inputs of `aux_layer_ids`).
+        Returns (logits [B, T or 1, V], aux [B, T, len(aux)*H] or None).
+        """
+        B, T = input_ids.shape
+        offs = torch.arange(T, device=input_ids.device)
+        positions = lens[:, None] + (offs if depth is None else depth)  # [B, T]
+        start = int(lens[0]) if bool((lens == lens[0]).all()) else None  # all requests aligned: slice writes
+        S = int(lens.max()) + T  # keys this call can see
+        mask = None if (T == 1 and start is not None) else attention_mask(lens, T, S, tree_mask)  # [B,1,T,S]
+        slots = lens[:, None] + offs  # [B, T]
+
+        h = self.base.embed_tokens(input_ids)  # [B, T, H]
+        cos, sin = self.base.rotary_emb(h, position_ids=positions)  # [B, T, D] each
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
+        grabbed = []
+        for i, layer in enumerate(self.layers):
+            if capture and i in self.aux_layer_ids:
+                grabbed.append(h)
+            h = self.block(i, layer, h, cos, sin, cache, slots, start, S, mask)
+        if logits_at is not None:
+            h = h[torch.arange(B, device=h.device), logits_at][:, None]  # [B, 1, H]
+        logits = self.model.lm_head(rms_norm(self.base.norm, h))  # [B, T, V]
+        aux = None
+        if capture and self.aux_layer_ids:
+            by_id = dict(zip([i for i in range(self.num_layers) if i in self.aux_layer_ids], grabbed))
+            aux = torch.cat([by_id[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, len*H]
+        return logits, aux
+
+    def block(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cache: torch.Tensor, slots: torch.Tensor, start: int | None, S: int,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """One pre-norm decoder layer (Llama/Qwen2/Qwen3 share this shape)."""
+        B, T, _ = h.shape
+        attn = layer.self_attn
+        x = rms_norm(layer.input_layernorm, h)
+        q = attn.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, h, D]
+        k = attn.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
+        v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        if self.qk_norm:  # Qwen3: per-head RMSNorm before rope
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
+        ck, cv = self.layer_kv(cache, i)
+        write_kv(ck, k, slots, start)
+        write_kv(cv, v, slots, start)
+        o = F.scaled_dot_product_attention(q, ck[:, :, :S], cv[:, :, :S], attn_mask=mask, scale=attn.scaling,
+                                           enable_gqa=True)  # [B, h, T, D]
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        return h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """HF Llama/Qwen RMSNorm (fp32 statistics, weight applied in the input dtype) as one fused op."""
+    y = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * y.to(x.dtype)
+
+
+def write_kv(dst: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, start: int | None) -> None:
+    """dst [B, kvh, S, D] <- new [B, kvh, T, D] at per-request slots [B, T] (a slice when aligned)."""
+    if start is not None:
+        dst[:, :, start: start + new.shape[2]] = new
+    else:
+        rows = torch.arange(dst.shape[0], device=dst.device)[:, None]  # [B, 1]
+        dst[rows, :, slots] = new.transpose(1, 2)  # indexed view is [B, T, kvh, D]
+
+
+def attention_mask(lens: torch.Tensor, T: int, S: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
+    """Bool [B, 1, T, S]: query i of request b sees its cached prefix (< lens[b]) and, among the T new
+    keys at lens[b]..lens[b]+T-1, itself and its ancestors (tree_mask) or everything before it (causal)."""
+    B = lens.shape[0]
+    rel = torch.arange(S, device=lens.device)[None] - lens[:, None]  # [B, S] key index relative to new block
+    prefix = rel < 0  # [B, S]
+    in_new = (rel >= 0) & (rel < T)
+    relc = rel.clamp(0, T - 1)
+    if tree_mask is None:
+        new = relc[:, None, :] <= torch.arange(T, device=lens.device)[None, :, None]  # [B, T, S] causal
+    else:
+        new = tree_mask.gather(2, relc[:, None, :].expand(B, T, S))  # [B, T, S]
+    return (prefix[:, None, :] | (new & in_new[:, None, :]))[:, None]

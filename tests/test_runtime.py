@@ -1,0 +1,498 @@
+"""Speculative decoding runtime: target-forward parity with HF, greedy losslessness, KV rollback,
+batching, sampling distribution, adaptive depth, n-gram lookup, bad input.
+
+Tiny random targets run in float64 so that "speculative == plain greedy" is exact (no near-tie argmax
+flips from summation order). The oracle drafter copies the target, so every draft must be accepted.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
+from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
+from drafthead.runtime import ops
+from drafthead.runtime.draft import ngram_lookup
+from drafthead.runtime.generate import _Request, _Session
+from drafthead.runtime.sampling import probs
+from drafthead.target import Target, freeze
+from drafthead.vocab import build_vocab_mapping
+
+EOS = 2
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+         "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_target(arch: str = "llama", vocab: int = 128, seed: int = 0, dtype=torch.float64, head_scale: float = 1.0,
+                **kw) -> Target:
+    cfg_cls, model_cls = ARCHS[arch]
+    args = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
+                tie_word_embeddings=False)
+    cfg = cfg_cls(**{**args, **kw})
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval().to(dtype)
+    with torch.no_grad():  # sharper next-token distributions than the near-uniform random init
+        model.lm_head.weight.mul_(head_scale)
+    return freeze(Target(model, None, f"tiny-{arch}"))
+
+
+def random_drafter(target: Target, seed: int = 1, draft_vocab: int | None = None) -> Eagle3Drafter:
+    tcfg = target.config
+    n = draft_vocab or tcfg.vocab_size // 2
+    torch.manual_seed(seed)
+    d = Eagle3Drafter(Eagle3Config.from_target(tcfg, draft_vocab_size=n, aux_layer_ids=[0, 1, 1]))
+    d = d.to(target.model.dtype)
+    d.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight)
+    d2t, t2d = build_vocab_mapping(torch.arange(tcfg.vocab_size).flip(0), n)
+    d.d2t.copy_(d2t)
+    d.t2d.copy_(t2d)
+    return d
+
+
+class OracleDrafter(nn.Module):
+    """A drafter that predicts exactly what the target predicts (for always-accept checks).
+
+    It speaks the `Eagle3Drafter` inference API. Its "KV" entries store (x_{t+1}, x_t or -1): x_t is read
+    back from the fused feature f_t, which with aux layer 0 is the target's token embedding. For each query
+    it rebuilds the visible token sequence from the attention mask and runs the target on it.
+    """
+
+    def __init__(self, target: Target, one_hot: bool = False) -> None:
+        super().__init__()
+        c = target.config
+        self.target = target.model
+        self.one_hot = one_hot  # logits = large margin on the argmax, so tree scores follow the greedy path
+        self.config = SimpleNamespace(aux_layer_ids=[0], target_hidden_size=c.hidden_size, hidden_size=c.hidden_size,
+                                      vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size, num_key_value_heads=1,
+                                      head_dim=2)
+        self.register_buffer("d2t", torch.zeros(c.vocab_size, dtype=torch.long))
+        self.memo: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux
+
+    def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx + self.d2t[idx]
+
+    def next_logits(self, seq: tuple[int, ...]) -> torch.Tensor:
+        if seq not in self.memo:
+            logits = self.target(torch.tensor([seq])).logits[0, -1]
+            if self.one_hot:
+                logits = 50.0 * torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(logits.dtype)
+            self.memo[seq] = logits
+        return self.memo[seq]
+
+    def decode(self, input_ids, hidden, positions, past_kv=None, attn_mask=None):
+        B, T = input_ids.shape
+        emb = self.target.get_input_embeddings().weight  # [V, H]
+        match = (hidden[:, :, None, :] == emb[None, None]).all(-1)  # [B, T, V]
+        prev = torch.where(match.any(-1), match.float().argmax(-1), -1)  # [B, T] x_t when hidden is f_t
+        new = torch.stack([input_ids, prev], dim=-1)[:, None].to(emb.dtype)  # [B, 1, T, 2]
+        kv = new if past_kv is None else torch.cat([past_kv[0], new], dim=2)  # [B, 1, S+T, 2]
+        S = kv.shape[2]
+        if attn_mask is None:
+            attn_mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)[None, None].expand(B, 1, T, S)
+        logits = torch.zeros(B, T, emb.shape[0], dtype=emb.dtype)
+        for b, i in itertools.product(range(B), range(T)):
+            vis = attn_mask[b, 0, i].nonzero()[:, 0]
+            first = int(kv[b, 0, vis[0], 1])
+            if first < 0:  # a padding query: any answer will do
+                continue
+            seq = (first,) + tuple(int(t) for t in kv[b, 0, vis, 0])
+            logits[b, i] = self.next_logits(seq)
+        return logits, torch.zeros_like(hidden), (kv, kv.clone())
+
+
+def reference_greedy(target: Target, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding with full HF forwards (no cache), stopping after EOS."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(target.model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if t == EOS:
+                break
+    return out
+
+
+def random_prompts(n: int, vocab: int, seed: int, lo: int = 2, hi: int = 12) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = int(torch.randint(lo, hi, (1,), generator=g))
+        p = torch.randint(3, vocab, (L,), generator=g).tolist()
+        if i % 3 == 2:  # a repeated span gives prompt lookup something to find
+            p = p + p[: max(1, L // 2)]
+        out.append(p)
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are op-overhead bound; extra threads only spin on a shared CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def llama() -> Target:
+    return tiny_target("llama")
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Target:
+    return tiny_target("qwen3", seed=3)
+
+
+# ---- target forward parity ----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_target_forward_matches_hf(arch: str) -> None:
+    target = tiny_target(arch, dtype=torch.float32, seed=5)
+    m = target.model
+    tm = TargetModel(m, aux_layer_ids=[1, 0])
+    torch.manual_seed(0)
+    seq = torch.randint(0, 128, (2, 14))
+    with torch.no_grad():
+        ref = m(seq, output_hidden_states=True)
+    cache = tm.new_cache(2, 32)
+    lens = torch.zeros(2, dtype=torch.long)
+    # ragged prefill: request 0 gets 9 tokens, request 1 gets 6
+    plen = torch.tensor([9, 6])
+    logits, aux = tm.forward(cache, seq[:, :9], lens, capture=True)
+    torch.testing.assert_close(logits[0], ref.logits[0, :9], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1, :6], ref.logits[1, :6], atol=1e-5, rtol=1e-5)
+    want_aux = torch.cat([ref.hidden_states[1], ref.hidden_states[0]], dim=-1)
+    torch.testing.assert_close(aux[0], want_aux[0, :9], atol=1e-5, rtol=1e-5)
+    # one decode step at different lengths
+    lens = plen.clone()
+    step = torch.stack([seq[0, 9:10], seq[1, 6:7]])
+    logits, _ = tm.forward(cache, step, lens)
+    torch.testing.assert_close(logits[0, 0], ref.logits[0, 9], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[1, 0], ref.logits[1, 6], atol=1e-5, rtol=1e-5)
+    lens += 1
+    # a tree verify: root + two branches; node logits equal HF on the root-to-node sequence
+    tokens = torch.tensor([[5, 7, 9, 11, 13], [21, 23, 25, 27, 29]])
+    parents = torch.tensor([[-1, 0, 1, 0, 3], [-1, 0, 0, 2, 2]])
+    mask, depth = ops.build_tree_mask(parents, torch.tensor([5, 5]))
+    logits, _ = tm.forward(cache, tokens, lens, tree_mask=mask, depth=depth)
+    for b in range(2):
+        prefix = seq[b, : int(lens[b])].tolist()
+        for i in range(5):
+            path, j = [], i
+            while j >= 0:
+                path.insert(0, int(tokens[b, j]))
+                j = int(parents[b, j])
+            with torch.no_grad():
+                want = m(torch.tensor([prefix + path])).logits[0, -1]
+            torch.testing.assert_close(logits[b, i], want, atol=1e-5, rtol=1e-5)
+
+
+def test_target_forward_rejects_unsupported() -> None:
+    target = tiny_target("llama")
+    target.model.config.model_type = "gpt2"
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        TargetModel(target.model)
+    target.model.config.model_type = "llama"
+
+
+# ---- greedy losslessness ------------------------------------------------------------------------
+SETTINGS = [
+    *[SpecConfig(mode="chain", num_draft_tokens=k) for k in range(1, 6)],
+    SpecConfig(mode="tree", num_draft_tokens=6, depth=3, topk=2),
+    SpecConfig(mode="tree", num_draft_tokens=10, depth=4, topk=3, batch_size=3),
+    SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True, batch_size=2),
+    SpecConfig(mode="tree", num_draft_tokens=8, depth=4, topk=2, adaptive=True, batch_size=2),
+    SpecConfig(mode="ngram", num_draft_tokens=4, batch_size=3),
+    SpecConfig(mode="chain", num_draft_tokens=3, ngram=True, batch_size=3),
+    SpecConfig(mode="tree", num_draft_tokens=6, depth=3, topk=2, ngram=True, adaptive=True),
+    SpecConfig(mode="ar", batch_size=3),
+]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("drafter_kind", ["random", "oracle"])
+def test_greedy_is_lossless(arch: str, drafter_kind: str, llama: Target, qwen3: Target) -> None:
+    target = llama if arch == "llama" else qwen3
+    drafter = random_drafter(target) if drafter_kind == "random" else OracleDrafter(target, one_hot=True)
+    gen = SpeculativeGenerator(target, drafter)
+    prompts = random_prompts(4, 128, seed=len(arch) + len(drafter_kind))
+    want = [reference_greedy(target, p, 20) for p in prompts]
+    for spec in SETTINGS:
+        got = gen.generate(prompts, 20, spec)
+        assert [r.tokens for r in got] == want, spec
+        for r in got:
+            assert len(r.accept_lens) == len(r.num_drafted) == r.num_rounds
+            assert len(r.tokens) <= 1 + sum(r.accept_lens) + r.num_rounds
+            assert r.stopped_eos == (r.tokens[-1] == EOS)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
+def test_oracle_chain_accepts_everything(k: int, llama: Target) -> None:
+    gen = SpeculativeGenerator(llama, OracleDrafter(llama))
+    rounds = 4
+    prompts = [p for p in random_prompts(6, 128, seed=k) if EOS not in reference_greedy(llama, p, 1 + rounds * (k + 1))]
+    res = gen.generate(prompts[:3], 1 + rounds * (k + 1), SpecConfig(mode="chain", num_draft_tokens=k))
+    for r in res:
+        assert r.accept_lens == [k] * rounds and r.num_drafted == [k] * rounds
+        assert (len(r.tokens) - 1) / r.num_rounds == k + 1  # tau (prefill token aside) = k + 1
+
+
+def test_oracle_tree_accepts_full_depth(llama: Target) -> None:
+    gen = SpeculativeGenerator(llama, OracleDrafter(llama, one_hot=True))
+    spec = SpecConfig(mode="tree", num_draft_tokens=8, depth=4, topk=2)
+    prompts = [p for p in random_prompts(6, 128, seed=7) if EOS not in reference_greedy(llama, p, 16)]
+    for r in gen.generate(prompts[:2], 16, spec):
+        assert r.accept_lens[:3] == [4, 4, 4]
+
+
+def test_random_drafter_tau_near_one(llama: Target) -> None:
+    gen = SpeculativeGenerator(llama, random_drafter(llama))
+    res = gen.generate(random_prompts(4, 128, seed=11), 24, SpecConfig(mode="chain", num_draft_tokens=3))
+    tau = sum(len(r.tokens) - 1 for r in res) / sum(r.num_rounds for r in res)
+    assert 1.0 <= tau < 1.3
+
+
+def test_eos_inside_accepted_draft_stops(llama: Target) -> None:
+    prompt = random_prompts(1, 128, seed=3)[0]
+    free = reference_greedy(llama, prompt, 12)
+    eos = free[3]  # make the 4th greedy token the EOS: an oracle chain of 4 accepts it mid-draft
+    target = Target(llama.model, None, "tiny")
+    old = llama.model.config.eos_token_id, llama.model.generation_config.eos_token_id
+    llama.model.config.eos_token_id = llama.model.generation_config.eos_token_id = eos
+    try:
+        gen = SpeculativeGenerator(target, OracleDrafter(llama))
+        (r,) = gen.generate([prompt], 12, SpecConfig(mode="chain", num_draft_tokens=4))
+    finally:
+        llama.model.config.eos_token_id, llama.model.generation_config.eos_token_id = old
+    assert r.tokens == free[: free.index(eos) + 1] and r.stopped_eos
+
+
+def test_stream_gets_every_token_in_order(llama: Target) -> None:
+    gen = SpeculativeGenerator(llama, random_drafter(llama))
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    res = gen.generate(random_prompts(2, 128, seed=4), 10, SpecConfig(mode="tree", batch_size=2, ngram=True),
+                       stream=lambda i, toks: seen[i].extend(toks))
+    assert [seen[0], seen[1]] == [r.tokens for r in res]
+
+
+# ---- KV rollback --------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode,kind", [("chain", "random"), ("tree", "random"), ("tree", "oracle")])
+def test_kv_after_rounds_equals_fresh_prefill(mode: str, kind: str, qwen3: Target) -> None:
+    drafter = random_drafter(qwen3) if kind == "random" else OracleDrafter(qwen3, one_hot=True)
+    gen = SpeculativeGenerator(qwen3, drafter)
+    spec = SpecConfig(mode=mode, num_draft_tokens=6, depth=3, topk=2, batch_size=2)
+    prompts = [p for p in random_prompts(8, 128, seed=21) if EOS not in reference_greedy(qwen3, p, 40)][:2]
+    reqs = [_Request(i, p, 40) for i, p in enumerate(prompts)]
+    s = _Session(gen, reqs, spec, torch.Generator().manual_seed(0), None)
+    s.prefill()
+    for _ in range(3):
+        s.step()
+    if kind == "oracle":  # the accepted path skips sibling nodes, so the target KV had to be compacted
+        assert all(r.accept_lens == [3, 3, 3] for r in s.reqs)
+    tm = gen.model
+    with torch.inference_mode():
+        for b, r in enumerate(s.reqs):
+            seq = r.history[:-1]  # the root (last token) is not cached yet
+            L = len(seq)
+            assert int(s.lens[b]) == L
+            fresh = tm.new_cache(1, L + 1)
+            _, aux = tm.forward(fresh, torch.tensor([seq]), torch.zeros(1, dtype=torch.long), capture=True)
+            torch.testing.assert_close(s.cache[b, :, :L], fresh[0, :, :L], atol=1e-10, rtol=0)
+            # draft prefix: entry t = (x_{t+1}, fuse(f_t)) recomputed from scratch
+            nxt = torch.tensor([seq[1:] + [r.history[-1]]])
+            _, _, (k, v) = drafter.decode(nxt, drafter.fuse(aux), torch.arange(L)[None])
+            assert int(s.draft.lens[b]) == L
+            torch.testing.assert_close(s.draft.k[b, :, :L], k[0], atol=1e-10, rtol=0)
+            torch.testing.assert_close(s.draft.v[b, :, :L], v[0], atol=1e-10, rtol=0)
+
+
+# ---- batching -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", [SpecConfig(mode="chain", num_draft_tokens=3, adaptive=True),
+                                  SpecConfig(mode="tree", num_draft_tokens=8, depth=3, topk=3, ngram=True),
+                                  SpecConfig(mode="ngram", num_draft_tokens=5)])
+def test_batch_equals_per_request(spec: SpecConfig, llama: Target) -> None:
+    drafter = OracleDrafter(llama, one_hot=True) if spec.mode == "tree" else random_drafter(llama)
+    gen = SpeculativeGenerator(llama, drafter)
+    prompts = random_prompts(5, 128, seed=8)
+    single = gen.generate(prompts, 20, spec)
+    batched = gen.generate(prompts, 20, replace(spec, batch_size=3))
+    assert [r.tokens for r in batched] == [r.tokens for r in single]
+    assert [r.accept_lens for r in batched] == [r.accept_lens for r in single]
+
+
+# ---- sampling is lossless -----------------------------------------------------------------------
+V_SMALL = 8
+
+
+def exact_joint(target: Target, prompt: list[int], n: int, temperature: float, top_p: float) -> torch.Tensor:
+    """P(x_1..x_n | prompt) under tempered / top-p sampling, flattened over V^n."""
+    seqs = torch.tensor(list(itertools.product(range(V_SMALL), repeat=n)))  # [V^n, n]
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
+    with torch.no_grad():
+        logits = target.model(ids).logits[:, len(prompt) - 1: -1]  # [V^n, n, V]
+    p = probs(logits, temperature, top_p)
+    return p.gather(2, seqs[:, :, None])[:, :, 0].double().prod(1)
+
+
+def empirical_joint(results: list[GenerationResult], n: int) -> torch.Tensor:
+    counts = torch.zeros(V_SMALL ** n, dtype=torch.float64)
+    for r in results:
+        idx = 0
+        for t in r.tokens[:n]:
+            idx = idx * V_SMALL + t
+        counts[idx] += 1
+    return counts / counts.sum()
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = tiny_target("llama", vocab=V_SMALL, seed=2, dtype=torch.float32, head_scale=20.0)
+    target.model.config.eos_token_id = target.model.generation_config.eos_token_id = None  # no early stop
+    drafter = random_drafter(target, seed=9, draft_vocab=6)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(5.0)  # a confident draft that often disagrees with the target
+    prompt = [3, 5, 1, 6]
+    return target, drafter, prompt
+
+
+def sample_tv(setup, spec: SpecConfig, n_samples: int = 8000, n_tokens: int = 3) -> float:
+    """Total variation between the empirical joint of the first n_tokens and the exact target joint.
+    With 8000 samples an exact sampler lands at ~0.035 here; the biased samplers below at ~0.2 and ~0.8."""
+    target, drafter, prompt = setup
+    gen = SpeculativeGenerator(target, drafter)
+    res = gen.generate([prompt] * n_samples, n_tokens, replace(spec, batch_size=1000))
+    exact = exact_joint(target, prompt, n_tokens, spec.temperature, spec.top_p)
+    return 0.5 * float((empirical_joint(res, n_tokens) - exact).abs().sum())
+
+
+SAMPLING = [
+    SpecConfig(mode="ar", temperature=1.0),
+    SpecConfig(mode="chain", num_draft_tokens=2, temperature=1.0),
+    SpecConfig(mode="chain", num_draft_tokens=3, temperature=0.7, top_p=0.8, adaptive=True),
+    SpecConfig(mode="tree", num_draft_tokens=4, depth=2, topk=2, temperature=1.0),
+    SpecConfig(mode="ngram", num_draft_tokens=2, temperature=1.0),
+]
+
+
+@pytest.mark.parametrize("spec", SAMPLING, ids=lambda s: f"{s.mode}-T{s.temperature}-p{s.top_p}")
+def test_speculative_sampling_matches_target(spec: SpecConfig, sampling_setup) -> None:
+    assert sample_tv(sampling_setup, spec) < 0.07
+
+
+@pytest.mark.parametrize("bug", ["accept_all", "no_residual"])
+def test_biased_sampler_is_detected(bug: str, sampling_setup, monkeypatch) -> None:
+    """The TV check has teeth: accepting every draft (= sampling the draft), or resampling from p instead of
+    the residual max(p - q, 0) after a rejection (a classic bug), both fail it."""
+    honest = ops.rejection_sample_chain
+
+    def biased(draft_tokens, draft_probs, target_probs, uniforms, bonus_uniforms):
+        B, K = draft_tokens.shape
+        rows = torch.arange(B)
+        if bug == "accept_all":
+            accept_len = torch.full((B,), K)
+        else:
+            accept_len, _ = honest(draft_tokens, draft_probs, target_probs, uniforms, bonus_uniforms)
+        p = target_probs[rows, accept_len]  # [B, V]
+        nxt = honest(draft_tokens[:, :0], None, p[:, None], uniforms[:, :0], bonus_uniforms)[1]  # a draw from p
+        return accept_len, nxt
+
+    monkeypatch.setattr(ops, "rejection_sample_chain", biased)
+    assert sample_tv(sampling_setup, SpecConfig(mode="chain", num_draft_tokens=2, temperature=1.0)) > 0.15
+
+
+# ---- adaptive depth -----------------------------------------------------------------------------
+def test_adaptive_k_grows_with_oracle_and_shrinks_with_random(llama: Target) -> None:
+    prompts = [p for p in random_prompts(8, 128, seed=5) if EOS not in reference_greedy(llama, p, 80)][:1]
+    spec = SpecConfig(mode="chain", num_draft_tokens=5, adaptive=True)
+    (up,) = SpeculativeGenerator(llama, OracleDrafter(llama)).generate(prompts, 80, spec)
+    assert up.num_drafted[0] == 3 and up.num_drafted[-1] == 5 and up.num_drafted == sorted(up.num_drafted)
+    (down,) = SpeculativeGenerator(llama, random_drafter(llama)).generate(prompts, 80, spec)
+    assert down.num_drafted[0] == 3 and down.num_drafted[-1] == 1
+    tree = SpecConfig(mode="tree", num_draft_tokens=12, depth=5, topk=2, adaptive=True)
+    (up,) = SpeculativeGenerator(llama, OracleDrafter(llama, one_hot=True)).generate(prompts, 80, tree)
+    assert up.num_drafted[0] == 3 and up.num_drafted[-1] == 5
+    (down,) = SpeculativeGenerator(llama, random_drafter(llama)).generate(prompts, 80, tree)
+    assert down.num_drafted[-1] == 1
+
+
+# ---- n-gram lookup ------------------------------------------------------------------------------
+def test_ngram_lookup() -> None:
+    h = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert ngram_lookup(h, 3, 4) == [4, 5, 9, 1]  # continue after the earlier "1 2 3"
+    assert ngram_lookup(h, 3, 2) == [4, 5]
+    assert ngram_lookup([7, 8, 9, 8], 3, 3) == [9, 8]  # falls back to the 1-gram "8"
+    assert ngram_lookup([1, 2, 3], 2, 3) == []
+    assert ngram_lookup([5, 5, 5, 5], 2, 3) == [5]  # most recent match: only one token follows it
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+def test_bad_input_errors(llama: Target) -> None:
+    gen = SpeculativeGenerator(llama, random_drafter(llama))
+    spec = SpecConfig()
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        gen.generate([[5, 6], []], 4, spec)
+    with pytest.raises(ValueError, match="longer than the target context"):
+        gen.generate([[5] * 300], 4, spec)
+    with pytest.raises(ValueError, match="max_new_tokens must be > 0"):
+        gen.generate([[5, 6]], 0, spec)
+    with pytest.raises(ValueError, match="outside the target vocab"):
+        gen.generate([[5, 600]], 4, spec)
+    with pytest.raises(ValueError, match="unknown spec mode"):
+        gen.generate([[5, 6]], 4, SpecConfig(mode="beam"))
+    with pytest.raises(ValueError, match="needs a drafter"):
+        SpeculativeGenerator(llama).generate([[5, 6]], 4, SpecConfig(mode="tree"))
+    with pytest.raises(ValueError, match="top_p"):
+        gen.generate([[5, 6]], 4, SpecConfig(top_p=0.0))
+
+
+def test_drafter_target_mismatch_errors(llama: Target) -> None:
+    other = tiny_target("llama", hidden_size=48)
+    with pytest.raises(ValueError, match="draft/target mismatch: hidden size"):
+        SpeculativeGenerator(llama, random_drafter(other))
+    bigger = tiny_target("llama", vocab=200)
+    with pytest.raises(ValueError, match="draft/target mismatch: vocab"):
+        SpeculativeGenerator(llama, random_drafter(bigger))
+    d = random_drafter(llama)
+    d.config.aux_layer_ids = [0, 1, 7]
+    with pytest.raises(ValueError, match=r"aux layer ids \[0, 1, 7\] out of range"):
+        SpeculativeGenerator(llama, d)
+
+
+# ---- real target --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_speculative_matches_ar() -> None:
+    from drafthead.target import load_target
+
+    target = load_target("smollm2-135m-instruct")
+    tok = target.tokenizer
+    text = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n# repeat the function above:\n"
+    prompt = tok(text)["input_ids"]
+    gen = SpeculativeGenerator(target)
+    with torch.no_grad():
+        hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+    (ar,) = gen.generate([prompt], 24, SpecConfig(mode="ar"))
+    (ng,) = gen.generate([prompt], 24, SpecConfig(mode="ngram", num_draft_tokens=4))
+    assert ar.tokens == hf.tolist()[: len(ar.tokens)]
+    assert ng.tokens == ar.tokens
+    assert sum(ng.accept_lens) > 0  # the prompt is full of copyable spans
+    # an untrained EAGLE3 head at real sizes (aux capture of 3 x 576, 32k draft vocab): still lossless
+    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=32000)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg)
+    drafter.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight)
+    d2t, t2d = build_vocab_mapping(torch.arange(cfg.vocab_size).flip(0), 32000)
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    spec = SpecConfig(mode="tree", num_draft_tokens=8, depth=3, topk=2, ngram=True)
+    (tree,) = SpeculativeGenerator(target, drafter).generate([prompt], 24, spec)
+    assert tree.tokens == ar.tokens
