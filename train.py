@@ -95,7 +95,8 @@ def main(argv: list[str]) -> Path:
     else:
         items, lengths = prep.train, [len(s["input_ids"]) for s in prep.train]
     eval_items = prep.heldout[: cfg.train.eval_samples or len(prep.heldout)]
-    eval_items = eval_items[d.rank:: d.world]
+    # the same number on every rank: evaluate() all-reduces (and ZeRO-3 gathers weights in each forward)
+    eval_items = eval_items[: len(eval_items) // d.world * d.world][d.rank:: d.world]
     eval_batches = [L.make_batch(eval_items[i: i + cfg.train.batch_size], target, layer_ids, feat_dtype, False,
                                  d.device) for i in range(0, len(eval_items), cfg.train.batch_size)]
 
@@ -145,6 +146,7 @@ def main(argv: list[str]) -> Path:
             acc_n += out["count"].detach().cpu()
             loss_sum += float(out["loss"].detach())
             n_micro += 1
+            lr = engine.lr()  # the rate this optimizer step uses (the scheduler moves on inside step())
             if not engine.step():
                 continue
             step += 1
@@ -154,8 +156,9 @@ def main(argv: list[str]) -> Path:
             if step % cfg.logging.log_every == 0 or step == total_steps:
                 c, n = L.all_reduce_sum(acc_c, d), L.all_reduce_sum(acc_n, d)
                 acc = (c / n.clamp(min=1)).tolist()
-                row = {"step": step, "epoch": state["epoch"] + (bi + 1) / len(batches), "loss": loss_sum / n_micro,
-                       "lr": engine.lr(), **{f"acc_{i}": a for i, a in enumerate(acc)},
+                ls = L.all_reduce_sum(torch.tensor([loss_sum, float(n_micro)], dtype=torch.float64), d)
+                row = {"step": step, "epoch": state["epoch"] + (bi + 1) / len(batches), "loss": float(ls[0] / ls[1]),
+                       "lr": lr, **{f"acc_{i}": a for i, a in enumerate(acc)},
                        "tokens_per_s": tput.rate() * d.world, "tokens_seen": state["tokens_seen"] * d.world}
                 logger.log(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
@@ -180,12 +183,13 @@ def main(argv: list[str]) -> Path:
     # --- final draft -----------------------------------------------------------------------------
     final = run_dir / "final"
     if step >= total_steps:
-        if d.main:
-            save_draft(engine.module, final, target.info(),
-                       extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.world,
-                                        "recipe": cfg.recipe, "wall_s": round(time.perf_counter() - t_start, 1),
-                                        **last_eval}})
-            log(f"\ndraft saved to {final}\nnext: drafthead eval draft={final} dataset=mt_bench max_prompts=10")
+        with engine.full_params():  # ZeRO-3: gather the shards (a collective: every rank enters)
+            if d.main:
+                save_draft(engine.module, final, target.info(),
+                           extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.world,
+                                            "recipe": cfg.recipe, "wall_s": round(time.perf_counter() - t_start, 1),
+                                            **last_eval}})
+        log(f"\ndraft saved to {final}\nnext: drafthead eval draft={final} dataset=mt_bench max_prompts=10")
     else:
         log(f"\nstopped at step {step} of {total_steps}; run the same command again to resume")
     L.barrier(d)

@@ -104,7 +104,8 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
             "sample_ids": _ids_digest(samples)}
     manifest = read_manifest(out)
     if manifest is not None:
-        for k in ("format", "layer_ids", "dtype", "hidden_size", "num_samples", "shard_samples", "sample_ids"):
+        for k in ("format", "target", "layer_ids", "dtype", "hidden_size", "num_samples", "shard_samples",
+                  "sample_ids"):
             if manifest.get(k) != spec[k]:
                 raise CaptureError(f"{out}: existing capture was made with {k}={manifest.get(k)!r}, this run has "
                                    f"{spec[k]!r}; use another capture.dir or delete it")

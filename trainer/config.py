@@ -40,7 +40,7 @@ class RegenerateConfig:
 @dataclass
 class DataConfig:
     dataset: str = "sharegpt"  # built-in name or a .json/.jsonl path (ShareGPT or OpenAI messages)
-    max_samples: int | None = None  # cap on conversations (null = all)
+    max_samples: int | None = None  # cap on training conversations (null = all); num_holdout more are read
     max_length: int = 1024
     overlong: str = "truncate"  # truncate | skip
     num_holdout: int = 64  # held-out conversations for eval (fixed seed)
@@ -177,7 +177,8 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
         if isinstance(e, ConfigKeyError):
             raise ConfigError(f"unknown config key '{key}'{_closest(str(key))}") from None
         raise ConfigError(f"bad value for '{key}': {msg}") from None
-    merged.recipe = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
+    if not (recipe.endswith((".yaml", ".yml")) and "recipe" in file_cfg):  # a run's config.yaml keeps its name
+        merged.recipe = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
     cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg)
     return cfg
@@ -190,6 +191,8 @@ def validate(cfg: RunConfig) -> None:
     for key, (val, ok) in choices.items():
         if val not in ok:
             raise ConfigError(f"bad value for '{key}': {val!r} (choose from {', '.join(ok)})")
+    if cfg.data.max_samples is not None and cfg.data.max_samples < 1:
+        raise ConfigError(f"bad value for 'data.max_samples': {cfg.data.max_samples} (must be >= 1 or null)")
     if cfg.data.max_length < 8:
         raise ConfigError(f"bad value for 'data.max_length': {cfg.data.max_length} (must be >= 8)")
     if cfg.drafter.ttt_steps < 1:

@@ -4,6 +4,8 @@ Drafter files stay free of all of this; `train.py` strings these pieces together
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -49,7 +51,9 @@ def init_distributed() -> Dist:
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # long timeout: the other ranks wait in a barrier while rank 0 alone regenerates data or runs an
+        # offline capture, which takes hours on real data (the NCCL default of 10 min would kill them)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=12))
     return Dist(rank, world, local, device)
 
 
@@ -59,9 +63,11 @@ def barrier(d: Dist) -> None:
 
 
 def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world > 1:
-        t = t.clone()
+    if d.world > 1:  # NCCL reduces only CUDA tensors: go through the rank's device
+        dev = t.device
+        t = t.to(d.device, copy=True)
         dist.all_reduce(t)
+        t = t.to(dev)
     return t
 
 
@@ -213,6 +219,9 @@ class TorchEngine:
             torch.save({"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "micro": self.micro},
                        folder / "optimizer.pt")
 
+    def full_params(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
     def load(self, folder: Path) -> None:
         sd = load_file(str(folder / "model.safetensors"))
         self.module.load_state_dict({k: v.to(self.d.device) for k, v in sd.items()})
@@ -270,8 +279,13 @@ class DeepSpeedEngine:
     def load(self, folder: Path) -> None:
         self.engine.load_checkpoint(str(folder), tag="deepspeed")
 
-    def state_dict_for_export(self) -> dict[str, torch.Tensor]:
-        return self.module.state_dict()  # ZeRO-1/2 keep full params on each rank
+    def full_params(self) -> contextlib.AbstractContextManager:
+        """All ranks enter: inside, `self.module` holds whole weights (ZeRO-3 shards them; 1/2 do not)."""
+        import deepspeed
+
+        if self.engine.zero_optimization_stage() < 3:
+            return contextlib.nullcontext()
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None)
 
 
 def resolve_deepspeed_config(name: str) -> dict:

@@ -1,0 +1,111 @@
+"""trainer/config.py: recipes load and validate, overrides, and clear errors for bad keys and values."""
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import RECIPES_DIR, ConfigError, RunConfig, load_config, parse_or_exit, to_yaml
+
+RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def test_recipes_exist():
+    assert {"eagle3_smollm2", "eagle3_llama", "eagle3_qwen"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_every_recipe_loads_and_validates(name):
+    cfg = load_config([f"recipe={name}"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.recipe == name
+    assert cfg.capture.mode in ("online", "offline")
+    assert cfg.drafter.family == "eagle3"
+    assert cfg.data.num_holdout > 0 and cfg.train.lr > 0
+    if cfg.train.deepspeed:  # the named DeepSpeed config exists
+        from trainer.loop import resolve_deepspeed_config
+
+        assert resolve_deepspeed_config(cfg.train.deepspeed)["zero_optimization"]["stage"] in (1, 2, 3)
+
+
+def test_default_recipe_is_smollm2():
+    cfg = load_config([])
+    assert cfg.recipe == "eagle3_smollm2"
+    assert cfg.target.name_or_path == "smollm2-135m-instruct"
+
+
+def test_recipe_values_override_defaults_and_cli_overrides_recipe():
+    cfg = load_config(["recipe=eagle3_qwen"])
+    assert cfg.target.name_or_path == "Qwen/Qwen3-8B" and cfg.train.deepspeed == "zero2"
+    assert cfg.data.enable_thinking is False
+    cfg = load_config(["recipe=eagle3_qwen", "train.max_steps=4", "data.regenerate.enabled=true",
+                       "data.regenerate.fraction=0.5", "capture.layer_ids=[1,2,3]", "train.deepspeed=null",
+                       "train.betas=[0.9,0.99]"])
+    assert cfg.train.max_steps == 4
+    assert cfg.data.regenerate.enabled is True and cfg.data.regenerate.fraction == 0.5
+    assert cfg.capture.layer_ids == [1, 2, 3]
+    assert cfg.train.deepspeed is None
+    assert cfg.train.betas == [0.9, 0.99]
+    assert cfg.train.lr == 1e-4  # from the recipe, untouched
+
+
+def test_resolved_yaml_loads_back(tmp_path):
+    cfg = load_config(["recipe=eagle3_llama", "train.max_steps=7", "data.regenerate.enabled=true"])
+    p = tmp_path / "config.yaml"
+    p.write_text(to_yaml(cfg))
+    again = load_config([f"recipe={p}"])
+    assert again == cfg  # recipe name kept from the file, all values equal
+
+
+def test_unknown_key_names_it_and_the_closest_valid_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.max_step'.*'train\.max_steps'"):
+        load_config(["train.max_step=3"])
+    with pytest.raises(ConfigError, match=r"'data\.regenerate\.enabeld'.*'data\.regenerate\.enabled'"):
+        load_config(["data.regenerate.enabeld=true"])
+
+
+def test_unknown_key_exits_nonzero(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_or_exit(["train.max_step=3"])
+    assert e.value.code != 0
+    err = capsys.readouterr().err
+    assert "train.max_step" in err and "did you mean 'train.max_steps'" in err
+
+
+def test_unknown_key_inside_a_recipe_file(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("train:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"train\.learning_rate"):
+        load_config([f"recipe={p}"])
+
+
+@pytest.mark.parametrize("arg,key", [("train.lr=abc", "train.lr"), ("train.max_steps=4.5", "train.max_steps"),
+                                     ("data.regenerate.enabled=maybe", "data.regenerate.enabled")])
+def test_mistyped_value_names_the_key(arg, key):
+    with pytest.raises(ConfigError, match=rf"bad value for '{key}'"):
+        load_config([arg])
+
+
+def test_unknown_recipe_lists_known_ones():
+    with pytest.raises(ConfigError, match=r"unknown recipe 'nope'.*eagle3_llama.*eagle3_qwen.*eagle3_smollm2"):
+        load_config(["recipe=nope"])
+
+
+@pytest.mark.parametrize("arg,key,choices", [("capture.mode=foo", "capture.mode", "online, offline"),
+                                             ("data.overlong=cut", "data.overlong", "truncate, skip"),
+                                             ("train.resume=maybe", "train.resume", "auto, true, false")])
+def test_bad_choice_values(arg, key, choices):
+    with pytest.raises(ConfigError, match=rf"bad value for '{key}'.*\(choose from {choices}\)"):
+        load_config([arg])
+
+
+def test_bad_ranges_and_argument_shape():
+    with pytest.raises(ConfigError, match=r"data\.max_length"):
+        load_config(["data.max_length=2"])
+    with pytest.raises(ConfigError, match=r"drafter\.ttt_steps"):
+        load_config(["drafter.ttt_steps=0"])
+    with pytest.raises(ConfigError, match=r"key=value.*'max_steps'"):
+        load_config(["max_steps"])
+
+
+def test_resume_accepts_bool_spellings():
+    assert load_config(["train.resume=true"]).train.resume.lower() == "true"
+    assert load_config(["train.resume=False"]).train.resume.lower() == "false"

@@ -1,0 +1,313 @@
+"""train.py end to end on a tiny random target: resume equivalence, run-dir contents, offline == online,
+bad inputs; torchrun DDP, DeepSpeed ZeRO-2 and the real SmolLM2 recipe as `slow` subprocess tests."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafthead.registry import load_draft, read_draft_config
+from drafthead.target import load_target
+from trainer.config import load_config
+from trainer.data import load_conversations, read_jsonl, split_holdout
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train)
+
+
+@pytest.fixture(autouse=True)
+def _tmp_cache(request, tmp_path, monkeypatch):
+    """Tiny runs keep their tokenize/datasets caches in tmp; the slow SmolLM2 run uses the real cache."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
+
+
+def args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]:
+    """A tiny, fast run: 36 training conversations, 4 held out, TTT 3, 6 steps of 2 conversations. Everything
+    the tests rely on is pinned here, whatever the default recipe says."""
+    kv = {"target.name_or_path": target_dir, "target.dtype": "float32", "data.dataset": data,
+          "data.max_samples": "null", "data.num_holdout": 4, "data.max_length": 96, "data.overlong": "truncate",
+          "data.regenerate.enabled": "false", "drafter.draft_vocab_size": 128, "drafter.ttt_steps": 3,
+          "drafter.step_decay": 0.8, "capture.mode": "online", "capture.layer_ids": "[1,2,3]",
+          "capture.dtype": "bfloat16", "train.epochs": 1, "train.batch_size": 2, "train.batch_tokens": "null",
+          "train.grad_accum": 1, "train.max_steps": 6, "train.save_every": 3, "train.keep_checkpoints": 2,
+          "train.eval_every": 0, "train.eval_samples": "null", "train.lr": 1e-3, "train.warmup_ratio": 0.02,
+          "train.min_lr_ratio": 0.0, "train.dtype": "float32", "train.deepspeed": "null",
+          "logging.wandb": "false", "logging.progress": "false", "logging.log_every": 1, "output_dir": run_dir, **over}
+    return [f"{k}={v}" for k, v in kv.items()]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_llama_dir, tiny_sharegpt, tmp_path_factory) -> Path:
+    """6 steps in one go (module-scoped: test (a) compares against it, test (b) inspects it)."""
+    run = tmp_path_factory.mktemp("full") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DRAFTHEAD_CACHE", str(run.parent / "cache"))
+        assert train.main(args(run, tiny_llama_dir, tiny_sharegpt)) == run / "final"
+    return run
+
+
+# ----------------------------------------------------------------------------- (a) resume
+
+def test_resume_gives_the_same_draft(full_run, tiny_llama_dir, tiny_sharegpt, tmp_path, capsys):
+    run = tmp_path / "run"
+    train.main(args(run, tiny_llama_dir, tiny_sharegpt, **{"train.stop_after_steps": 3}))
+    assert "stopped at step 3 of 6" in capsys.readouterr().out
+    assert not (run / "final").exists()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_3"]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+    train.main(args(run, tiny_llama_dir, tiny_sharegpt, **{"train.resume": "auto"}))
+    assert "resumed from" in capsys.readouterr().out
+    assert_same_weights(run / "final", full_run / "final")
+    assert_same_weights(run / "checkpoints" / "step_6", full_run / "checkpoints" / "step_6")
+    rows, ref = metrics(run), metrics(full_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 6]  # continues at 4; the last row is the eval
+    for r, q in zip(rows[3:6], ref[3:6]):  # same losses, rates and accuracies after the restart
+        assert {k: r[k] for k in ("step", "loss", "lr", "acc_0", "acc_2", "tokens_seen")} == \
+            {k: q[k] for k in ("step", "loss", "lr", "acc_0", "acc_2", "tokens_seen")}
+    assert rows[-1] == ref[-1]  # final eval
+
+
+# ----------------------------------------------------------------------------- (b) run dir
+
+def test_run_dir_contents(full_run, tiny_llama_dir, tiny_sharegpt):
+    # the resolved recipe, loadable again
+    cfg = load_config([f"recipe={full_run / 'config.yaml'}"])
+    assert cfg.train.max_steps == 6 and cfg.recipe == "eagle3_smollm2" and cfg.capture.layer_ids == [1, 2, 3]
+    assert cfg == load_config(args(full_run, tiny_llama_dir, Path(cfg.data.dataset)))
+    assert cfg.target.name_or_path == str(tiny_llama_dir) and cfg.output_dir == str(full_run)
+
+    rows = metrics(full_run)
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    for r in train_rows:
+        assert {"step", "epoch", "loss", "lr", "acc_0", "acc_1", "acc_2", "tokens_per_s", "tokens_seen"} <= set(r)
+        assert r["loss"] > 0 and r["tokens_per_s"] > 0 and all(0 <= r[f"acc_{i}"] <= 1 for i in range(3))
+    assert "acc_3" not in train_rows[0]
+    # the lr of each row is the one its step used: warmup (1 step) then cosine down to ~0 at the last step
+    lrs = [r["lr"] for r in train_rows]
+    assert lrs[0] == pytest.approx(1e-3) and lrs == sorted(lrs, reverse=True) and 0 < lrs[-1] < 1e-4
+    assert train_rows[-1]["tokens_seen"] > train_rows[0]["tokens_seen"] > 0
+    ev = rows[-1]
+    assert ev["step"] == 6 and {"eval/acc_0", "eval/acc_2", "eval/loss", "eval/sim_accept_len"} <= set(ev)
+    assert 1.0 <= ev["eval/sim_accept_len"] <= 4.0
+
+    ckpts = sorted((full_run / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step_3", "step_6"]
+    st = json.loads((ckpts[1] / "trainer_state.json").read_text())
+    assert st["step"] == 6 and st["world"] == 1 and st["engine"] == "torch"
+    assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "config.yaml"} <= {p.name for p in ckpts[1].iterdir()}
+
+    # final/ is a draft: loads with the target's embedding, weights = the last checkpoint's, target described
+    target = load_target(str(tiny_llama_dir))
+    meta = read_draft_config(full_run / "final")
+    assert meta["family"] == "eagle3" and meta["target"]["num_hidden_layers"] == 4
+    assert meta["draft"]["aux_layer_ids"] == [1, 2, 3] and meta["draft"]["draft_vocab_size"] == 128
+    assert meta["train"]["steps"] == 6 and "eval/acc_0" in meta["train"]
+    draft = load_draft(full_run / "final", embed_weight=target.model.get_input_embeddings().weight)
+    ck = weights(ckpts[1])
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, ck[k]), k  # incl. the frozen embedding, which final/ does not store
+    assert "embed_tokens.weight" not in weights(full_run / "final")
+    ids = draft.d2t + torch.arange(128)
+    assert draft.t2d.sum() == 128 and draft.t2d[ids].all()
+
+    # held-out conversations: the 4 of the fixed-seed split, none of them trained on
+    held = read_jsonl(full_run / "heldout.jsonl")
+    train_convs, held_convs = split_holdout(load_conversations(str(tiny_sharegpt))[0], 4, cfg.data.split_seed)
+    assert held == held_convs and not {c.id for c in held} & {c.id for c in train_convs}
+
+
+# ----------------------------------------------------------------------------- (f) offline
+
+def test_offline_training_equals_online(tiny_llama_dir, tiny_sharegpt, tmp_path):
+    """One conversation per micro-batch and per capture forward: offline features are bit-identical to
+    online ones, so the drafts are too."""
+    small = {"train.batch_size": 1, "train.max_steps": 4, "train.save_every": 0}
+    on, off = tmp_path / "online", tmp_path / "offline"
+    train.main(args(on, tiny_llama_dir, tiny_sharegpt, **small))
+    train.main(args(off, tiny_llama_dir, tiny_sharegpt, **small, **{"capture.mode": "offline",
+                                                                    "capture.batch_tokens": 1,
+                                                                    "capture.shard_samples": 10}))
+    m = json.loads((off / "capture" / "manifest.json").read_text())
+    assert m["complete"] and m["num_samples"] == 36 and len(m["shards"]) == 4 and m["layer_ids"] == [1, 2, 3]
+    assert_same_weights(off / "final", on / "final")
+    assert [r["loss"] for r in metrics(off)[:4]] == [r["loss"] for r in metrics(on)[:4]]
+
+
+def test_drafthead_capture_then_train_reuses_the_shards(tiny_llama_dir, tiny_sharegpt, tmp_path, capsys):
+    from trainer.capture import main as capture_main
+
+    run, cap = tmp_path / "run", tmp_path / "cap"
+    kw = {"capture.mode": "offline", "capture.dir": cap, "train.max_steps": 2, "train.save_every": 0}
+    assert capture_main(args(run, tiny_llama_dir, tiny_sharegpt, **kw)) == 0
+    out = capsys.readouterr().out
+    assert "captured 36 samples" in out and f"capture.dir={cap}" in out
+    stamps = {p.name: p.stat().st_mtime_ns for p in cap.glob("shard_*.safetensors")}
+    train.main(args(run, tiny_llama_dir, tiny_sharegpt, **kw))
+    assert (run / "final" / "model.safetensors").exists()
+    assert {p.name: p.stat().st_mtime_ns for p in cap.glob("shard_*.safetensors")} == stamps  # not captured again
+
+
+def test_offline_capture_with_other_layers_is_refused(tiny_llama_dir, tiny_sharegpt, tmp_path):
+    run = tmp_path / "run"
+    kw = {"capture.mode": "offline", "train.max_steps": 1, "train.save_every": 0}
+    train.main(args(run, tiny_llama_dir, tiny_sharegpt, **kw))
+    with pytest.raises(Exception, match=r"existing capture was made with layer_ids=\[1, 2, 3\].*\[0, 1, 2\]"):
+        train.main(args(run, tiny_llama_dir, tiny_sharegpt, **kw, **{"capture.layer_ids": "[0,1,2]"}))
+
+
+# ----------------------------------------------------------------------------- (g) bad inputs
+
+def test_all_rows_bad_is_a_clear_error(tiny_llama_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"conversations": [{"from": "bing", "value": "x"}]}\nnot json\n'
+                   '{"conversations": [{"from": "human", "value": "no answer"}]}\n')
+    with pytest.raises(ValueError, match=r"no usable conversations.*"
+                                         r"skipped: 1 malformed json, 1 no assistant turn, 1 unknown role"):
+        train.main(args(tmp_path / "run", tiny_llama_dir, bad))
+
+
+def test_holdout_larger_than_data_is_a_clear_error(tiny_llama_dir, tiny_sharegpt, tmp_path):
+    with pytest.raises(ValueError, match=r"40 usable conversations.*data\.num_holdout=50"):
+        train.main(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"data.num_holdout": 50}))
+
+
+def test_max_samples_counts_training_conversations(tiny_llama_dir, tiny_sharegpt, tmp_path):
+    from trainer.loop import Dist
+    from trainer.prepare import prepare_samples
+
+    cfg = load_config(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"data.max_samples": 10}))
+    prep = prepare_samples(cfg, load_target(str(tiny_llama_dir)), Dist(), tmp_path / "run", log=lambda *a: None)
+    assert len(prep.train) == 10 and len(prep.heldout) == len(prep.heldout_convs) == 4
+    assert not {s["id"] for s in prep.train} & {c.id for c in prep.heldout_convs}
+
+
+def test_resume_true_without_checkpoint_is_a_clear_error(tiny_llama_dir, tiny_sharegpt, tmp_path):
+    with pytest.raises(SystemExit, match=r"train\.resume=true but .*checkpoints has no checkpoint"):
+        train.main(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"train.resume": "true"}))
+
+
+def test_bad_config_exits_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main([f"output_dir={tmp_path / 'run'}", "train.max_step=3"])
+    assert e.value.code == 2 and "did you mean 'train.max_steps'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- (c, d) torchrun
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(argv: list[str], cache: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DRAFTHEAD_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(ROOT / "train.py"), *argv]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    return p
+
+
+# 5 held out: 2 per rank are evaluated (every rank must run the same number of eval batches)
+DIST = {"train.max_steps": 4, "train.save_every": 2, "data.num_holdout": 5}
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tiny_llama_dir, tiny_sharegpt, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("ddp") / "run"
+    p = torchrun(args(run, tiny_llama_dir, tiny_sharegpt, **DIST) + ["train.num_threads=1"], run.parent / "cache")
+    assert "world size 2" in p.stdout and f"draft saved to {run / 'final'}" in p.stdout
+    return run
+
+
+@pytest.mark.slow
+def test_ddp_two_processes(ddp_run, tiny_llama_dir):
+    st = json.loads((ddp_run / "checkpoints" / "step_4" / "trainer_state.json").read_text())
+    assert st["world"] == 2 and st["engine"] == "torch"
+    assert (ddp_run / "checkpoints" / "step_4" / "rng_rank1.pt").exists()
+    rows = [r for r in metrics(ddp_run) if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["tokens_seen"] > 0 and rows[0]["epoch"] == pytest.approx(1 / 9)  # 18 batches of <=2, 9 per rank
+    assert 1.0 <= metrics(ddp_run)[-1]["eval/sim_accept_len"] <= 4.0
+    target = load_target(str(tiny_llama_dir))
+    load_draft(ddp_run / "final", embed_weight=target.model.get_input_embeddings().weight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_two_processes(stage, ddp_run, tiny_llama_dir, tiny_sharegpt, tmp_path):
+    """ZeRO-2/3 on CPU (DS_ACCELERATOR=cpu set by train.py) train the same draft as DDP. ZeRO-3 with every
+    weight sharded (persistence threshold 0; by default it keeps small tensors whole): final/ must hold the
+    gathered weights, not the empty local shards."""
+    run = tmp_path / "run"
+    ds = stage
+    if stage == "zero3":
+        cfg = json.loads((ROOT / "recipes" / "deepspeed" / "zero3.json").read_text())
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        ds = tmp_path / "zero3_shard_all.json"
+        ds.write_text(json.dumps(cfg))
+    p = torchrun(args(run, tiny_llama_dir, tiny_sharegpt, **DIST, **{"train.deepspeed": ds}) +
+                 ["train.num_threads=1"], tmp_path / "cache", timeout=480)
+    assert f"draft saved to {run / 'final'}" in p.stdout
+    ck = run / "checkpoints" / "step_4"
+    st = json.loads((ck / "trainer_state.json").read_text())
+    assert st["engine"] == "deepspeed" and st["world"] == 2 and st["step"] == 4
+    assert len(list((ck / "deepspeed").glob("*zero_pp_rank_*_optim_states.pt"))) == 2
+    assert_same_weights(run / "final", ddp_run / "final", atol=1e-5)  # other reduction orders
+    assert [r["loss"] for r in metrics(run) if "loss" in r] == \
+        pytest.approx([r["loss"] for r in metrics(ddp_run) if "loss" in r], rel=1e-6)
+    assert metrics(run)[-1] == pytest.approx(metrics(ddp_run)[-1], rel=1e-5)  # held-out eval on both ranks
+
+
+# ----------------------------------------------------------------------------- (e) real SmolLM2
+
+@pytest.mark.slow
+def test_real_smollm2_recipe_smoke(tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=eagle3_smollm2", "data.max_samples=16",
+           "train.max_steps=4", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
+           "train.eval_samples=8"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert f"draft saved to {run / 'final'}" in p.stdout
+    assert "target: smollm2-135m-instruct (30 layers, hidden 576, vocab 49152)" in p.stdout
+    recipe = load_config(["recipe=eagle3_smollm2"])
+    meta = read_draft_config(run / "final")
+    assert meta["draft"]["aux_layer_ids"] == [2, 15, 27]  # the default [2, N//2, N-3] for 30 layers
+    assert meta["draft"]["draft_vocab_size"] == recipe.drafter.draft_vocab_size
+    assert meta["draft"]["ttt_steps"] == recipe.drafter.ttt_steps
+    assert meta["train"]["steps"] == 4 and meta["train"]["recipe"] == "eagle3_smollm2"
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert rows[-1]["step"] == 4 and all(r["loss"] > 0 for r in rows)
+    assert len(read_jsonl(run / "heldout.jsonl")) == recipe.data.num_holdout
