@@ -22,12 +22,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
 
-from drafthead.registry import build_drafter, save_draft
-from drafthead.target import TargetHead, load_target, lm_head_weight
+from drafthead.registry import REDUCED_VOCAB, build_for_target, init_for_target, num_steps, save_draft
+from drafthead.target import TargetHead, lm_head_weight, load_target
 from drafthead.vocab import build_vocab_mapping, count_tokens, draft_ids
-from drafthead.eagle3 import Eagle3Config
 from trainer import loop as L
-from trainer.capture import ShardedFeatures, capture_offline
+from trainer.capture import CaptureError, ShardedFeatures, capture_offline
 from trainer.config import as_dict, parse_or_exit, to_yaml
 from trainer.prepare import feature_dtype, prepare_samples
 from drafthead.io import atomic_write_bytes
@@ -59,28 +58,29 @@ def main(argv: list[str]) -> Path:
     if d.main:
         write_jsonl(prep.heldout_convs, run_dir / "heldout.jsonl")
 
-    # --- draft vocabulary from loss-masked training tokens ----------------------------------------
-    counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in prep.train), target.config.vocab_size)
-    d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
-    covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
-    log(f"draft vocab: {d2t.numel()} tokens cover {covered:.1%} of {counts.sum().item()} assistant tokens")
+    # --- draft vocabulary from loss-masked training tokens (EAGLE3; MTP predicts the full vocab) ---
+    family = cfg.drafter.family
+    d2t = t2d = None
+    if family in REDUCED_VOCAB:
+        counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in prep.train), target.config.vocab_size)
+        d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
+        covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
+        log(f"draft vocab: {d2t.numel()} tokens cover {covered:.1%} of {counts.sum().item()} assistant tokens")
 
     # --- drafter ---------------------------------------------------------------------------------
-    dcfg = Eagle3Config.from_target(target.config, d2t.numel(), cfg.capture.layer_ids,
-                                    intermediate_size=cfg.drafter.intermediate_size,
-                                    ttt_steps=cfg.drafter.ttt_steps, step_decay=cfg.drafter.step_decay)
-    drafter = build_drafter(cfg.drafter.family, dcfg)
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
-        drafter.d2t.copy_(d2t)
-        drafter.t2d.copy_(t2d)
+    drafter = build_for_target(family, target.config, cfg.drafter, cfg.capture.layer_ids,
+                               None if d2t is None else d2t.numel())
+    dcfg = drafter.config
+    init = init_for_target(drafter, target, cfg.drafter, d2t, t2d)
     drafter.to(d.device).train()
-    head = TargetHead(lm_head_weight(target.model), draft_ids(d2t)).to(d.device)
+    head = TargetHead(lm_head_weight(target.model), None if d2t is None else draft_ids(d2t)).to(d.device)
     layer_ids = drafter.capture_layer_ids()
     feat_dtype = feature_dtype(cfg.capture.dtype)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    log(f"drafter: {cfg.drafter.family}, {n_params / 1e6:.1f}M trainable params, aux layers {layer_ids}, "
-        f"TTT {dcfg.ttt_steps} steps")
+    K = num_steps(dcfg)
+    log(f"drafter: {family}, {n_params / 1e6:.1f}M trainable params, " + (
+        f"aux layers {layer_ids}, TTT {K} steps" if family == "eagle3" else
+        f"{K} depths ({'one module applied K times' if dcfg.recursive else f'{K} modules'}), init {init}"))
 
     # --- features: online (captured in the step) or offline (sharded safetensors) -----------------
     offline = cfg.capture.mode == "offline"
@@ -125,7 +125,6 @@ def main(argv: list[str]) -> Path:
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (d.main and cfg.logging.progress),
                dynamic_ncols=True)
     tput = L.Throughput()
-    K = dcfg.ttt_steps
     acc_c, acc_n, loss_sum, n_micro = torch.zeros(K), torch.zeros(K), 0.0, 0
     last_eval: dict = {}
     stop_after = cfg.train.stop_after_steps
@@ -137,7 +136,7 @@ def main(argv: list[str]) -> Path:
         for bi in range(state["batch_in_epoch"], len(batches)):
             batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline, d.device)
             with L.autocast(cfg.train.dtype, d.device, engine.kind):
-                out = engine.forward(**L.drafter_inputs(batch, head))
+                out = engine.forward(**L.drafter_inputs(batch, head, drafter))
             engine.backward(out["loss"])
             ntok = int(batch["attention_mask"].sum())
             tput.add(ntok)
@@ -197,4 +196,10 @@ def main(argv: list[str]) -> Path:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, FileNotFoundError, CaptureError) as e:  # bad input: one clear line
+        if os.environ.get("DRAFTHEAD_TRACEBACK"):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(2)

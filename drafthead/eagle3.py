@@ -142,6 +142,18 @@ class Eagle3Drafter(nn.Module):
     def capture_layer_ids(self) -> list[int]:
         return list(self.config.aux_layer_ids)
 
+    @torch.no_grad()
+    def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None,
+                         final_norm: torch.Tensor | None = None) -> None:
+        """Copy the target's embedding (frozen) and, optionally, its lm_head rows of the draft vocabulary
+        and its final norm (`drafter.init_head_from_target`; on the default recipe it learned slower
+        than a random head, see the README table)."""
+        self.embed_tokens.weight.copy_(embed)
+        if lm_head is not None:
+            self.lm_head.weight.copy_(lm_head[self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)])
+        if final_norm is not None:
+            self.norm.weight.copy_(final_norm)
+
     def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
         return idx + self.d2t[idx]
 

@@ -128,6 +128,10 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
     return model.get_output_embeddings().weight  # [V, H]
 
 
+def final_norm_weight(model: nn.Module) -> torch.Tensor:
+    return base_model(model).norm.weight  # [H]
+
+
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad:
@@ -163,22 +167,30 @@ def capture(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Ten
 
 
 class TargetHead(nn.Module):
-    """Frozen target lm_head, for teacher logits restricted to the draft vocab and the full argmax."""
+    """Frozen target lm_head, for teacher logits restricted to the draft vocab and the full argmax.
+    `draft_token_ids=None`: teacher logits over the full vocab (MTP)."""
 
-    def __init__(self, lm_head: torch.Tensor, draft_token_ids: torch.Tensor, chunk: int = 4096) -> None:
+    def __init__(self, lm_head: torch.Tensor, draft_token_ids: torch.Tensor | None, chunk: int = 4096) -> None:
         super().__init__()
         self.register_buffer("weight", lm_head.detach().clone(), persistent=False)  # [V, H]
-        self.register_buffer("draft_ids", draft_token_ids.long().clone(), persistent=False)  # [N]
+        self.full = draft_token_ids is None
+        ids = torch.arange(lm_head.shape[0]) if self.full else draft_token_ids.long().clone()
+        self.register_buffer("draft_ids", ids, persistent=False)  # [N]
         self.chunk = chunk
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [M, H] -> (logits over draft vocab [M, N] fp32, full-vocab argmax [M])."""
         h = hidden.to(self.weight.dtype)
-        draft_w = self.weight[self.draft_ids]  # [N, H]
+        draft_w = None if self.full else self.weight[self.draft_ids]  # [N, H]
         logits, argmax = [], []
         for s in range(0, h.shape[0], self.chunk):
             hc = h[s: s + self.chunk]
+            if self.full:
+                full = hc @ self.weight.T  # [m, V]
+                argmax.append(full.argmax(-1))
+                logits.append(full.float())
+                continue
             argmax.append((hc @ self.weight.T).argmax(-1))  # [m]
             logits.append((hc @ draft_w.T).float())  # [m, N]
         if not logits:

@@ -121,3 +121,17 @@ def test_shift():
     x = torch.arange(6).view(1, 6)
     assert _shift(x, 2).tolist() == [[2, 3, 4, 5, 0, 0]]
     assert _shift(x, 7).tolist() == [[0] * 6]
+
+
+def test_init_from_target_copies_embedding_and_head_rows():
+    m = tiny_drafter()
+    emb = torch.randn(V, H)
+    head = torch.randn(V, H)
+    norm = torch.rand(H)
+    m.init_from_target(emb, head, norm)
+    assert torch.equal(m.embed_tokens.weight, emb)
+    assert torch.equal(m.lm_head.weight, head[draft_ids(m.d2t)])  # draft row i = target row d2t-mapped
+    assert torch.equal(m.norm.weight, norm)
+    before = m.lm_head.weight.clone()
+    m.init_from_target(emb)  # head untouched without lm_head
+    assert torch.equal(m.lm_head.weight, before)

@@ -62,11 +62,18 @@ class CaptureConfig:
 
 @dataclass
 class DrafterConfig:
-    family: str = "eagle3"
-    draft_vocab_size: int = 32000
-    ttt_steps: int = 7
-    step_decay: float = 0.8
+    family: str = "eagle3"  # eagle3 | mtp
+    draft_vocab_size: int = 32000  # eagle3 (MTP predicts over the full target vocab)
+    ttt_steps: int = 7  # eagle3
+    step_decay: float = 0.8  # eagle3
     intermediate_size: int | None = None  # null = the target's
+    num_modules: int = 1  # mtp: depths K trained (predicting x_{t+2} .. x_{t+1+K})
+    recursive: bool = True  # mtp: one module applied K times (FastMTP, vLLM) vs K modules (DeepSeek-V3)
+    step_weights: list[float] | None = None  # mtp: loss weight per depth; null = 0.8^k normalised
+    train_head: bool = False  # mtp: also train the shared norm + lm_head copy (else frozen = the target's)
+    attention: str = "causal"  # mtp: causal within each depth (DeepSeek) | chain (what the runtime chain sees)
+    init: str = "auto"  # mtp: auto (native MTP weights if present, else target) | native | target | random
+    init_head_from_target: bool = False  # start lm_head/norm from the target's (rows of the draft vocab)
 
 
 @dataclass
@@ -197,6 +204,21 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'data.max_length': {cfg.data.max_length} (must be >= 8)")
     if cfg.drafter.ttt_steps < 1:
         raise ConfigError("bad value for 'drafter.ttt_steps': must be >= 1")
+    from drafthead.registry import DRAFTERS, INITS
+
+    dc = cfg.drafter
+    if dc.family not in DRAFTERS:
+        raise ConfigError(f"bad value for 'drafter.family': {dc.family!r} (choose from {', '.join(DRAFTERS)})")
+    if dc.init not in INITS[dc.family]:
+        raise ConfigError(f"bad value for 'drafter.init': {dc.init!r} for family {dc.family} "
+                          f"(choose from {', '.join(INITS[dc.family])})")
+    if dc.num_modules < 1:
+        raise ConfigError("bad value for 'drafter.num_modules': must be >= 1")
+    if dc.step_weights is not None and len(dc.step_weights) != dc.num_modules:
+        raise ConfigError(f"bad value for 'drafter.step_weights': {len(dc.step_weights)} weights for "
+                          f"drafter.num_modules={dc.num_modules} depths (one per depth)")
+    if dc.attention not in ("causal", "chain"):
+        raise ConfigError(f"bad value for 'drafter.attention': {dc.attention!r} (choose from causal, chain)")
 
 
 def to_yaml(cfg: RunConfig) -> str:

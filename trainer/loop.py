@@ -111,8 +111,9 @@ def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, wo
 # one step's math around the drafter
 def teacher_targets(head: TargetHead, last: torch.Tensor, loss_mask: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher logits over the draft vocab [B, T, N] and full argmax [B, T] at positions j whose next
-    token is supervised (loss_mask[j+1] == 1); elsewhere zeros / -1."""
+    """Teacher logits over the draft vocab [B, T, N] (the full vocab for a head without draft ids) and
+    full argmax [B, T] at positions j whose next token is supervised (loss_mask[j+1] == 1); elsewhere
+    zeros / -1."""
     B, T, _ = last.shape
     need = torch.zeros(B, T, dtype=torch.bool, device=last.device)
     need[:, :-1] = loss_mask[:, 1:].bool()
@@ -136,9 +137,15 @@ def make_batch(items: list[Any], target: Target, layer_ids: list[int], feat_dtyp
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead) -> dict[str, torch.Tensor]:
+FEATURE_ARGS = {"aux": "aux_hidden", "last": "last_hidden"}  # batch key -> drafter forward argument
+
+
+def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead, drafter: nn.Module | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Forward kwargs: EAGLE3 reads the aux features, MTP (`drafter.inputs == ("last",)`) the last hidden."""
     teacher, tgt = teacher_targets(head, batch["last"], batch["loss_mask"])
-    return {"input_ids": batch["input_ids"], "aux_hidden": batch["aux"], "teacher_logits": teacher,
+    feats = {FEATURE_ARGS[k]: batch[k] for k in getattr(drafter, "inputs", ("aux",))}
+    return {"input_ids": batch["input_ids"], **feats, "teacher_logits": teacher,
             "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
 
 
@@ -373,7 +380,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     correct = count = loss = None
     nb = 0
     for batch in batches:
-        out = model(**drafter_inputs(batch, head))
+        out = model(**drafter_inputs(batch, head, model))
         correct = out["correct"] if correct is None else correct + out["correct"]
         count = out["count"] if count is None else count + out["count"]
         loss = out["loss"].detach() if loss is None else loss + out["loss"].detach()

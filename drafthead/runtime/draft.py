@@ -1,4 +1,4 @@
-"""Proposals for one verify round: EAGLE3 chain, EAGLE-2 dynamic tree, n-gram (prompt lookup).
+"""Proposals for one verify round: EAGLE3 / MTP chain, EAGLE-2 dynamic tree, n-gram (prompt lookup).
 
 Every proposal is a token tree (a chain is parents[i] = i - 1) whose node 0 is the root = the last
 accepted token, which the target has not processed yet. The target verifies the whole tree in one
@@ -8,6 +8,10 @@ EAGLE3 draft positions (see `Eagle3Drafter.decode`): the draft's prefix entry at
 (token x_{t+1}, fuse(f_t)) and predicts x_{t+2}. The draft prefix always covers exactly the tokens the
 target has cached, so after a round it is extended with the accepted path and its fresh target features;
 entries made while speculating are never kept.
+
+MTP drafts (`MtpDrafter`) speak the same API with the target's last hidden state h_t in place of the
+fused aux feature (prefix entry t = (x_{t+1}, h_t)) and the full vocabulary as "draft vocabulary"; a
+recursive MTP draft (one module) is a `DraftRunner` as is, chains and trees alike.
 """
 from __future__ import annotations
 
@@ -228,6 +232,74 @@ class DraftRunner:
             front_parent = E + best // k
         return select_nodes(roots, self.to_target(torch.cat(pool_tok, 1)), torch.cat(pool_score, 1),
                             torch.cat(pool_parent, 1), torch.cat(pool_depth, 1), budget, max_depth)
+
+
+class _Module:
+    """One module of a multi-module MTP draft seen through the drafter API `DraftRunner` uses."""
+
+    def __init__(self, drafter: nn.Module, module: int) -> None:
+        self.drafter, self.module, self.config = drafter, module, drafter.config
+
+    def parameters(self):
+        return self.drafter.parameters()
+
+    def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.drafter.draft_to_target(idx)
+
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.drafter.fuse(feats)
+
+    def decode(self, *args):
+        return self.drafter.decode(*args, module=self.module)
+
+
+class ModuleChainRunner:
+    """Chains for an MTP draft with sequential modules (DeepSeek layout: module m drafts depth m).
+
+    Each module keeps its own prefix KV cache, built like module 0's from (x_{t+1}, h_t) pairs (what
+    vLLM's single-module chain sees). Chain step j runs module j % M and attends to that module's
+    prefix and its own entries of this round; tokens drafted by other modules reach it only through
+    the hidden state. A one-module (recursive) draft uses `DraftRunner` as is.
+    """
+
+    def __init__(self, drafter: nn.Module, batch: int, capacity: int, device: torch.device) -> None:
+        self.runners = [DraftRunner(_Module(drafter, m), batch, capacity, device)
+                        for m in range(drafter.chain_modules)]
+
+    def select(self, rows: torch.Tensor) -> None:
+        for r in self.runners:
+            r.select(rows)
+
+    def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
+        for r in self.runners:
+            r.extend(tokens, feats, counts)
+
+    @torch.inference_mode()
+    def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k draft tokens per request (see `DraftRunner.chain`). Returns (drafts [B, k], q [B, k, V] | None)."""
+        first = self.runners[0]
+        logits, h = first.logits, first.hidden  # [B, V], [B, H] from module 0's last prefix entry
+        B, dev = logits.shape[0], logits.device
+        drafts, qs = [], []
+        for j in range(k):
+            if temperature > 0:
+                q = probs(logits, temperature, top_p)  # [B, V]
+                d = sample(q, torch.rand(B, generator=gen, device=dev))
+                qs.append(first.full_probs(q))
+            else:
+                d = logits.argmax(-1)  # [B]
+            drafts.append(d)
+            if j == k - 1:
+                break
+            # draft j's entry sits at position lens + j in module (j + 1) % M, after that module's own entries
+            r = self.runners[(j + 1) % len(self.runners)]
+            E = 0 if r.spec_k is None else r.spec_k.shape[2]
+            seen = torch.ones(B, 1, E + 1, dtype=torch.bool, device=dev)
+            lg, out = r.decode(r.to_target(d)[:, None], h[:, None], (first.lens + j)[:, None], seen)
+            logits, h = lg[:, 0], out[:, 0]
+        drafts = first.to_target(torch.stack(drafts, dim=1))  # [B, k]
+        return drafts, (torch.stack(qs, dim=1) if qs else None)
 
 
 def select_nodes(roots: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor,

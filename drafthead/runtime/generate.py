@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from drafthead.runtime import ops
-from drafthead.runtime.draft import DraftRunner, Proposal, chain_proposal, merge_ngram, ngram_lookup
+from drafthead.runtime.draft import DraftRunner, ModuleChainRunner, Proposal, chain_proposal, merge_ngram, ngram_lookup
 from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import probs, sample
 from drafthead.target import Target
@@ -76,11 +76,12 @@ class _Request:
 
 
 class SpeculativeGenerator:
-    """Generate with a frozen target and an optional trained drafter (EAGLE3).
+    """Generate with a frozen target and an optional trained drafter (EAGLE3 or MTP).
 
     Args:
         target: the frozen target (`drafthead.target.Target`; Llama / Qwen2 / Qwen3 architecture).
-        drafter: an `Eagle3Drafter` trained for this target, or None (modes "ar" and "ngram" only).
+        drafter: an `Eagle3Drafter` or `MtpDrafter` trained for this target, or None (modes "ar" and
+            "ngram" only). An MTP draft with several sequential modules drafts chains only.
         device: where to run.
     Raises:
         ValueError: unsupported target, or a drafter that does not fit the target.
@@ -92,7 +93,8 @@ class SpeculativeGenerator:
         self.device = torch.device(device)
         self.drafter = drafter.to(self.device).eval() if drafter is not None else None
         aux = check_drafter(drafter, target.config) if drafter is not None else []
-        self.model = TargetModel(target.model.to(self.device), aux)
+        last = drafter is not None and uses_last_hidden(drafter)
+        self.model = TargetModel(target.model.to(self.device), aux, capture_last=last)
         self.eos = eos_ids(target)
 
     # ---- public ---------------------------------------------------------------------------------
@@ -119,6 +121,9 @@ class SpeculativeGenerator:
             raise ValueError(f"unknown spec mode {spec.mode!r} (choose from {', '.join(MODES)})")
         if spec.mode in ("chain", "tree") and self.drafter is None:
             raise ValueError(f"spec mode {spec.mode!r} needs a drafter (or use mode 'ngram' / 'ar')")
+        if spec.mode == "tree" and getattr(self.drafter, "chain_modules", 1) > 1:
+            raise ValueError("spec mode 'tree' needs one draft module; this MTP draft has "
+                             f"{self.drafter.chain_modules} sequential modules (use mode 'chain')")
         for name in ("num_draft_tokens", "depth", "topk", "batch_size", "ngram_n"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"spec.{name} must be >= 1, got {getattr(spec, name)}")
@@ -178,7 +183,8 @@ class _Session:
         self.cache = g.model.new_cache(B, self.capacity)
         self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
         self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached
-        self.draft = DraftRunner(g.drafter, B, self.capacity, self.dev) if self.use_drafter else None
+        runner = ModuleChainRunner if getattr(g.drafter, "chain_modules", 1) > 1 else DraftRunner
+        self.draft = runner(g.drafter, B, self.capacity, self.dev) if self.use_drafter else None
         # adaptive draft length per request: EMA of accept_len, k = round(ema) + 1
         self.ema = torch.full((B,), (self.max_len - 1) / 2, device=self.dev)
 
@@ -349,10 +355,23 @@ def chain_path(accept_len: torch.Tensor, N: int) -> torch.Tensor:
     return torch.where(idx <= accept_len[:, None], idx, -1)
 
 
+def uses_last_hidden(drafter: nn.Module) -> bool:
+    """MTP drafts read the target's last hidden state; EAGLE3 drafts read aux features."""
+    return "last" in getattr(drafter, "inputs", ("aux",))
+
+
 def check_drafter(drafter: nn.Module, tcfg) -> list[int]:
     """Raise ValueError when the drafter was not built for this target; returns its aux layer ids."""
     c = drafter.config
     problems = []
+    if uses_last_hidden(drafter):
+        if c.hidden_size != tcfg.hidden_size:
+            problems.append(f"hidden size: MTP draft has hidden_size={c.hidden_size}, target has {tcfg.hidden_size}")
+        if c.vocab_size != tcfg.vocab_size:
+            problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
+        if problems:
+            raise ValueError("draft/target mismatch: " + "; ".join(problems))
+        return []
     if c.target_hidden_size != tcfg.hidden_size:
         problems.append(f"hidden size: draft expects target_hidden_size={c.target_hidden_size}, "
                         f"target has hidden_size={tcfg.hidden_size}")

@@ -27,9 +27,12 @@ class TargetModel:
     Args:
         model: HF causal LM (Llama, Qwen2 or Qwen3 architecture), frozen.
         aux_layer_ids: decoder layers whose *input* is returned as aux features (EAGLE3 capture).
+        capture_last: return the last hidden state (after the final norm, what lm_head reads) as the
+            features instead (MTP).
     """
 
-    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | tuple[int, ...] = ()) -> None:
+    def __init__(self, model: nn.Module, aux_layer_ids: list[int] | tuple[int, ...] = (),
+                 capture_last: bool = False) -> None:
         c = model.config
         if c.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"target model_type {c.model_type!r} is not supported by the runtime "
@@ -42,6 +45,7 @@ class TargetModel:
         self.layers = decoder_layers(model)
         check_layer_ids(list(aux_layer_ids), len(self.layers))
         self.aux_layer_ids = list(aux_layer_ids)
+        self.capture_last = capture_last
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.num_kv_heads = c.num_key_value_heads
@@ -77,7 +81,8 @@ class TargetModel:
             tree_mask: [B, T, T] bool ancestor-or-self mask among the new tokens; None = causal.
             depth: [B, T] rope offset of each new token from lens (tree depth); None = 0..T-1.
             logits_at: [B] index of the single new token per request whose logits are wanted; None = all.
-            capture: also return the aux features (inputs of `aux_layer_ids`).
+            capture: also return the aux features (inputs of `aux_layer_ids`), or with `capture_last`
+                the last hidden states [B, T, H].
         Returns (logits [B, T or 1, V], aux [B, T, len(aux)*H] or None).
         """
         B, T = input_ids.shape
@@ -96,6 +101,7 @@ class TargetModel:
             if capture and i in self.aux_layer_ids:
                 grabbed.append(h)
             h = self.block(i, layer, h, cos, sin, cache, slots, start, S, mask)
+        last = rms_norm(self.base.norm, h) if capture and self.capture_last else None  # [B, T, H]
         if logits_at is not None:
             h = h[torch.arange(B, device=h.device), logits_at][:, None]  # [B, 1, H]
         logits = self.model.lm_head(rms_norm(self.base.norm, h))  # [B, T, V]
@@ -103,7 +109,7 @@ class TargetModel:
         if capture and self.aux_layer_ids:
             by_id = dict(zip([i for i in range(self.num_layers) if i in self.aux_layer_ids], grabbed))
             aux = torch.cat([by_id[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, len*H]
-        return logits, aux
+        return logits, (last if last is not None else aux)
 
     def block(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               cache: torch.Tensor, slots: torch.Tensor, start: int | None, S: int,

@@ -1,0 +1,496 @@
+"""DeepSeek-style MTP (multi-token prediction) draft head trained on a frozen target.
+
+Math only (no DDP/DeepSpeed/checkpointing). Module k (DeepSeek-V3 report, section 2.2):
+
+    x = eh_proj([enorm(embed(x_{t+1+k})); hnorm(h^{k-1}_t)])       # 2H -> H, no bias
+    out = decoder_block(x)                                          # one pre-norm attention + SwiGLU layer
+    logits = shared_head.head(shared_head.norm(out))                # full target vocabulary
+
+h^{-1}_t is the target's last hidden state at t (the output of its final norm, as captured by
+`drafthead.target.capture`); depth k is trained towards the target distribution at t+1+k, which
+predicts x_{t+2+k}. The hidden passed on to depth k+1 is `shared_head.norm(out)` (as Qwen3-Next/3.5 and
+transformers' `MtpLayer` do; `chain_normed=False` passes `out` as DeepSeek's vLLM code does).
+
+Weight names follow the DeepSeek/GLM checkpoint layout under `layers.{k}.*` (`enorm`, `hnorm`,
+`eh_proj`, `input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`,
+`mlp.{gate,up,down}_proj`, `shared_head.{norm,head}`), so exporting to the target's
+`model.layers.{N+k}.*` is a prefix rename. The token embedding is a frozen copy of the target's and is
+not saved (like EAGLE3). The shared head starts as a copy of the target's final norm and lm_head and
+stays frozen unless `train_head`.
+
+`recursive=True` stores one module and applies it K times (FastMTP; what vLLM does for N > 1 steps);
+`recursive=False` stores K modules, module k for depth k (DeepSeek-V3).
+
+Attention while training (`attention`):
+- "causal" (DeepSeek/FastMTP): depth k attends causally over depth k's own entries.
+- "chain": depth k attends to the module's entries built from depth-0 inputs (x_{t'+1}, h_t'), t' <= t,
+  plus its own entries of depths 1..k at the same t: exactly what the KV-cached runtime chain sees
+  (the EAGLE3 training-time-test pattern), so training accuracy predicts chained acceptance.
+Rope position of depth k at t is t + k in both, as in the runtime chain.
+
+Flags for targets whose blocks are not plain Llama (so weights copy exactly): `attention_bias` (q/k/v,
+Qwen2/GLM), `qk_norm` (Qwen3/3.5), `attn_output_gate` (Qwen3.5/Qwen3-Next: q_proj also yields a
+sigmoid gate per head), `norm_unit_offset` (RMSNorm scales by 1 + w, zero-centred weights: Qwen3.5),
+`partial_rotary_factor` (rope on the first fraction of each head: Qwen3.5 0.25, GLM 0.5).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+
+FASTMTP_STEP_WEIGHTS = [0.51, 0.31, 0.18]  # TencentBAC/FastMTP mtp_loss_step_weights for K = 3
+ATTENTION_MODES = ("causal", "chain")
+# model types whose MTP/decoder blocks use a gated attention output and (1 + w) RMSNorms
+_QWEN_NEXT_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+
+def decay_weights(k: int, beta: float = 0.8) -> list[float]:
+    """beta^i normalised to sum 1 (speculators/SpecForge use beta 0.6, EAGLE3 TTT 0.8 unnormalised)."""
+    w = [beta ** i for i in range(k)]
+    return [x / sum(w) for x in w]
+
+
+@dataclass
+class MtpConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # target vocabulary (MTP predicts over all of it)
+    target_num_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    partial_rotary_factor: float = 1.0
+    attention_bias: bool = False
+    qk_norm: bool = False
+    attn_output_gate: bool = False
+    norm_unit_offset: bool = False
+    num_modules: int = 1  # K: depths trained (x_{t+2} .. x_{t+1+K})
+    recursive: bool = True  # one module applied K times, or K modules
+    step_weights: list[float] | None = None  # loss weight per depth; None = 0.8^k normalised
+    train_head: bool = False  # train the shared norm + head copy (else frozen = the target's)
+    attention: str = "causal"  # "causal" | "chain" (see module docstring)
+    chain_normed: bool = True  # next depth reads shared_head.norm(out) (True) or out (False)
+    native_layers: int = 0  # MTP layers the target checkpoint declares (for export), 0 = none
+
+    def __post_init__(self) -> None:
+        if self.num_modules < 1:
+            raise ValueError(f"MTP num_modules must be >= 1, got {self.num_modules}")
+        if self.step_weights is None:
+            self.step_weights = decay_weights(self.num_modules)
+        self.step_weights = [float(w) for w in self.step_weights]
+        if len(self.step_weights) != self.num_modules:
+            raise ValueError(f"MTP step_weights has {len(self.step_weights)} entries for num_modules="
+                             f"{self.num_modules} depths (one weight per depth)")
+        if any(w < 0 for w in self.step_weights) or sum(self.step_weights) <= 0:
+            raise ValueError(f"MTP step_weights must be >= 0 with a positive sum, got {self.step_weights}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"MTP attention={self.attention!r}: choose from {', '.join(ATTENTION_MODES)}")
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """MTP has no reduced vocabulary (the runtime reads this name)."""
+        return self.vocab_size
+
+    @property
+    def stored_modules(self) -> int:
+        return 1 if self.recursive else self.num_modules
+
+    @classmethod
+    def from_target(cls, hf_config: Any, **overrides: Any) -> "MtpConfig":
+        """Size the MTP block like one decoder layer of the target; None overrides are ignored."""
+        t = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        act = getattr(t, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"MTP block uses a SwiGLU MLP; the target's hidden_act is {act!r}")
+        heads = t.num_attention_heads
+        rope = getattr(t, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", getattr(t, "partial_rotary_factor", 1.0)) or 1.0
+        mt = getattr(t, "model_type", "")
+        qwen_next = mt in _QWEN_NEXT_TYPES
+        kw = dict(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(t, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
+            vocab_size=t.vocab_size,
+            target_num_layers=t.num_hidden_layers,
+            rms_norm_eps=float(t.rms_norm_eps),
+            rope_theta=float(theta),
+            max_position_embeddings=int(getattr(t, "max_position_embeddings", 2048)),
+            partial_rotary_factor=float(partial),
+            attention_bias=bool(getattr(t, "attention_bias", False)) or mt == "qwen2",
+            qk_norm=mt.startswith("qwen3") or bool(getattr(t, "use_qk_norm", False)),
+            attn_output_gate=qwen_next,
+            norm_unit_offset=qwen_next,
+            native_layers=native_mtp_layers(t),
+        )
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def native_mtp_layers(text_config: Any) -> int:
+    """MTP layers a checkpoint declares: DeepSeek/GLM/MiMo `num_nextn_predict_layers`, Qwen3.5
+    `mtp_num_hidden_layers`, MiniMax `num_mtp_modules` (transformers' alias `num_mtp_layers`)."""
+    for name in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules", "num_mtp_layers"):
+        n = getattr(text_config, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 0
+
+
+class MtpRMSNorm(RMSNorm):
+    """RMSNorm scaling by (1 + w) with zero-initialised w (Qwen3.5 / Qwen3-Next), statistics and scale in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def _norm(c: MtpConfig, dim: int | None = None) -> RMSNorm:
+    return (MtpRMSNorm if c.norm_unit_offset else RMSNorm)(dim or c.hidden_size, c.rms_norm_eps)
+
+
+class MtpAttention(nn.Module):
+    def __init__(self, c: MtpConfig) -> None:
+        super().__init__()
+        self.c = c
+        q_out = c.num_attention_heads * c.head_dim * (2 if c.attn_output_gate else 1)
+        self.q_proj = nn.Linear(c.hidden_size, q_out, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = _norm(c, c.head_dim)
+            self.k_norm = _norm(c, c.head_dim)
+        self.rotary_dim = int(c.head_dim * c.partial_rotary_factor)
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rope on the first rotary_dim channels of x [B, h, T, D]."""
+        r = self.rotary_dim
+        cos, sin = rope_cos_sin(positions, r, self.c.rope_theta)  # [B, 1, T, r]
+        if r == x.shape[-1]:
+            return apply_rope(x, cos, sin)
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def q(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Queries [B, h, T, D] and the output gate [B, T, h*D] (None without attn_output_gate)."""
+        B, T, _ = x.shape
+        c = self.c
+        q = self.q_proj(x)
+        gate = None
+        if c.attn_output_gate:  # per head [q_h | gate_h] (Qwen3.5 layout)
+            q, gate = q.view(B, T, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        q = q.reshape(B, T, c.num_attention_heads, c.head_dim)  # [B, T, h, D]
+        if c.qk_norm:
+            q = self.q_norm(q)
+        return self.rope(q.transpose(1, 2), positions), gate
+
+    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, kvh, T, D] (un-expanded)."""
+        B, T, _ = x.shape
+        c = self.c
+        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            k = self.k_norm(k)
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        return self.rope(k.transpose(1, 2), positions), v
+
+    def out(self, o: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """o [B, h, T, D] -> [B, T, H]."""
+        B, _, T, _ = o.shape
+        o = o.transpose(1, 2).reshape(B, T, -1)  # [B, T, h*D]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+    def expand_kv(self, t: torch.Tensor) -> torch.Tensor:
+        rep = self.c.num_attention_heads // self.c.num_key_value_heads
+        return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+
+class SharedHead(nn.Module):
+    def __init__(self, c: MtpConfig) -> None:
+        super().__init__()
+        self.norm = _norm(c)
+        self.head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+
+class MtpModule(nn.Module):
+    """One MTP depth: input projection + one pre-norm decoder layer + the shared head."""
+
+    def __init__(self, c: MtpConfig) -> None:
+        super().__init__()
+        self.enorm = _norm(c)
+        self.hnorm = _norm(c)
+        self.eh_proj = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.input_layernorm = _norm(c)
+        self.self_attn = MtpAttention(c)
+        self.post_attention_layernorm = _norm(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.shared_head = SharedHead(c)
+
+    def mix(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, H] token embeddings and previous hidden states -> block input [B, T, H]."""
+        return self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(hidden.to(emb.dtype))], dim=-1))
+
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual + MLP after attention: block input x [B, T, H], attention output [B, T, H]."""
+        h = x + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MtpDrafter(nn.Module):
+    family = "mtp"
+    inputs = ("last",)  # the trainer / runtime feed the target's last hidden state, not aux features
+
+    def __init__(self, c: MtpConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)  # copied from target, frozen, not saved
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(MtpModule(c) for _ in range(c.stored_modules))
+        if not c.train_head:
+            for m in self.layers:
+                m.shared_head.requires_grad_(False)
+
+    # ---- what the trainer / runtime need to know -----------------------------------------------
+    def capture_layer_ids(self) -> list[int]:
+        return []
+
+    def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx  # full vocabulary
+
+    @property
+    def chain_modules(self) -> int:
+        """Distinct modules a draft chain cycles through (each keeps its own KV cache in the runtime)."""
+        return len(self.layers)
+
+    def module_for(self, depth: int) -> int:
+        return depth % len(self.layers)
+
+    def fuse(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's last hidden state is the depth-0 input as it is."""
+        return last_hidden.to(self.layers[0].eh_proj.weight.dtype)
+
+    # ---- training ------------------------------------------------------------------------------
+    def depth_hidden(self, input_ids: torch.Tensor, last_hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Per depth k the output hidden states [B, T, H] before the shared norm; row t predicts x_{t+2+k}.
+
+        input_ids [B, T] (right-padded), last_hidden [B, T, H] target last hidden states (post final norm).
+        """
+        c = self.config
+        B, T = input_ids.shape
+        dev = input_ids.device
+        hidden = self.fuse(last_hidden)  # [B, T, H]
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        base = torch.arange(T, device=dev).expand(B, T)  # [B, T]
+        scale = c.head_dim ** -0.5
+        ctx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # chain: module -> depth-0 keys/values
+        diag: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # chain: module -> later-depth k/v
+        outs = []
+        for k in range(c.num_modules):
+            m = self.layers[self.module_for(k)]
+            attn = m.self_attn
+            emb = self.embed_tokens(_shift(input_ids, 1 + k)).to(hidden.dtype)  # [B, T, H] x_{t+1+k}
+            x = m.mix(emb, hidden)  # [B, T, H]
+            xn = m.input_layernorm(x)
+            q, gate = attn.q(xn, base + k)  # [B, h, T, D]
+            kk, vv = attn.kv(xn, base + k)  # [B, kvh, T, D]
+            if c.attention == "causal":
+                o = F.scaled_dot_product_attention(q, attn.expand_kv(kk), attn.expand_kv(vv), is_causal=True)
+            else:
+                mi = self.module_for(k)
+                if mi not in ctx:  # this module on depth-0 inputs (x_{t+1}, h_t) at rope t
+                    if k == 0:
+                        ctx[mi] = (kk, vv)
+                    else:
+                        e0 = self.embed_tokens(_shift(input_ids, 1)).to(hidden.dtype)
+                        ctx[mi] = attn.kv(m.input_layernorm(m.mix(e0, self.fuse(last_hidden))), base)
+                    diag[mi] = []
+                if k > 0:
+                    diag[mi].append((kk, vv))
+                k0, v0 = (attn.expand_kv(t) for t in ctx[mi])
+                s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
+                s0 = s0.masked_fill(~causal, float("-inf"))
+                dk = [attn.expand_kv(a) for a, _ in diag[mi]]
+                dv = [attn.expand_kv(b) for _, b in diag[mi]]
+                sd = [(q * kj).sum(-1, keepdim=True) * scale for kj in dk]  # [B, h, T, 1] each
+                p = torch.cat([s0, *sd], dim=-1).float().softmax(-1).to(q.dtype)  # [B, h, T, T+n]
+                o = p[..., :T] @ v0  # [B, h, T, D]
+                for j, vj in enumerate(dv):
+                    o = o + p[..., T + j: T + j + 1] * vj
+            out = m.finish(x, attn.out(o, gate))  # [B, T, H]
+            outs.append(out)
+            hidden = m.shared_head.norm(out) if c.chain_normed else out
+        return outs
+
+    def forward(self, input_ids: torch.Tensor, last_hidden: torch.Tensor, teacher_logits: torch.Tensor,
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Weighted soft cross-entropy against the target over K depths.
+
+        Args:
+            input_ids: [B, T] target token ids (right-padded).
+            last_hidden: [B, T, H] the target's last hidden states (output of its final norm).
+            teacher_logits: [B, T, V] target logits over the FULL vocab at position j (predicting
+                x_{j+1}); only rows j with loss_mask[j+1] are read.
+            target_argmax: [B, T] target argmax at position j (-1 where unknown).
+            loss_mask: [B, T] 1 on assistant tokens.
+        Returns dict with `loss` (scalar) and per depth `step_loss`, `correct`, `count` ([K] each).
+        """
+        c = self.config
+        if teacher_logits.shape[-1] != c.vocab_size:
+            raise ValueError(f"MTP teacher logits must cover the full target vocab ({c.vocab_size}), got "
+                             f"{teacher_logits.shape[-1]}: build TargetHead without draft ids")
+        total = last_hidden.new_zeros((), dtype=torch.float32)
+        step_loss, correct, count = [], [], []
+        for k, out in enumerate(self.depth_hidden(input_ids, last_hidden)):
+            m = self.layers[self.module_for(k)]
+            mask_k = _shift(loss_mask, 2 + k).bool()  # [B, T]  x_{t+2+k} is an assistant token
+            b_idx, t_idx = mask_k.nonzero(as_tuple=True)  # M rows with a target to match
+            logits = m.shared_head.head(m.shared_head.norm(out[b_idx, t_idx])).float()  # [M, V]
+            teach = teacher_logits[b_idx, t_idx + 1 + k].float()  # [M, V]
+            tgt = target_argmax[b_idx, t_idx + 1 + k]  # [M]
+            ce = -(teach.softmax(-1) * logits.log_softmax(-1)).sum(-1)  # [M]
+            n = max(int(b_idx.numel()), 1)
+            lk = (ce * (tgt >= 0)).sum() / n
+            total = total + c.step_weights[k] * lk
+            step_loss.append(lk.detach())
+            correct.append((logits.argmax(-1) == tgt).sum())
+            count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
+        return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
+                "count": torch.stack(count).float()}
+
+    # ---- inference: one module with a KV cache -------------------------------------------------
+    def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               past_kv: tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None,
+               module: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Run module `module` on T new positions (the `Eagle3Drafter.decode` contract).
+
+        Args:
+            input_ids: [B, T] tokens x_{t+1} paired with `hidden` (the target's last hidden h_t, or the
+                previous depth's output) at the same position.
+            hidden: [B, T, H]; positions: [B, T] rope positions.
+            past_kv: this module's cached (k, v) each [B, kvh, S, D], or None.
+            attn_mask: bool [B, 1, T, S+T], True = may attend. Default: all past + causal among new.
+        Returns (full-vocab logits [B, T, V], hidden for the next depth [B, T, H], (k, v) with the new entries).
+        """
+        m = self.layers[module % len(self.layers)]
+        attn = m.self_attn
+        T = input_ids.shape[1]
+        x = m.mix(self.embed_tokens(input_ids).to(m.eh_proj.weight.dtype), hidden)  # [B, T, H]
+        xn = m.input_layernorm(x)
+        q, gate = attn.q(xn, positions)
+        k, v = attn.kv(xn, positions)
+        if past_kv is not None:
+            k = torch.cat([past_kv[0], k], dim=2)
+            v = torch.cat([past_kv[1], v], dim=2)
+        S = k.shape[2]
+        if attn_mask is None:
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+        o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attn_mask)
+        out = m.finish(x, attn.out(o, gate))  # [B, T, H]
+        normed = m.shared_head.norm(out)
+        return m.shared_head.head(normed), (normed if self.config.chain_normed else out), (k, v)
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t] <- x[:, t+n], zero-filled on the right."""
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# initialisation
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"MTP init: {name} has shape {tuple(src.shape)} in the source, the drafter expects "
+                         f"{tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))
+
+
+def _last_attention_layer(layers: nn.ModuleList) -> nn.Module:
+    """The last decoder layer with softmax attention (hybrid targets end on one, e.g. Qwen3.5)."""
+    for layer in reversed(layers):
+        if hasattr(layer, "self_attn"):
+            return layer
+    raise ValueError("MTP init: the target has no decoder layer with self_attn to copy")
+
+
+@torch.no_grad()
+def init_from_target(drafter: MtpDrafter, target_model: nn.Module, block: bool = True) -> None:
+    """Embedding, shared head (final norm + lm_head) and, with `block`, every module's decoder layer
+    from the target (its last attention layer). enorm/hnorm/eh_proj keep their fresh init."""
+    from drafthead.target import base_model, decoder_layers, lm_head_weight
+
+    base = base_model(target_model)
+    _copy(drafter.embed_tokens.weight, target_model.get_input_embeddings().weight, "embed_tokens.weight")
+    src = _last_attention_layer(decoder_layers(target_model)).state_dict() if block else {}
+    if block and any(".experts." in k or k.startswith("mlp.experts") for k in src):
+        raise ValueError("MTP init from the target: its last layer has a MoE MLP; the MTP block is dense "
+                         "(use drafter.init=native or random)")
+    for i, m in enumerate(drafter.layers):
+        _copy(m.shared_head.norm.weight, base.norm.weight, "norm.weight")
+        _copy(m.shared_head.head.weight, lm_head_weight(target_model), "lm_head.weight")
+        if not block:
+            continue
+        own = {k: v for k, v in m.state_dict().items()
+               if not k.startswith(("enorm.", "hnorm.", "eh_proj.", "shared_head."))}
+        missing = sorted(set(own) - set(src))
+        if missing:
+            raise ValueError(f"MTP init from the target: its last layer lacks {missing} (the block flags do "
+                             f"not match the target architecture)")
+        for k, t in own.items():
+            _copy(t, src[k], f"layers.{i}.{k}")
+
+
+@torch.no_grad()
+def init_from_native(drafter: MtpDrafter, state_dict: dict[str, torch.Tensor], config: Any) -> int:
+    """Load native MTP weights (DeepSeek/GLM `model.layers.{N+i}.*`, Qwen3.5 `mtp.*`) into the drafter.
+
+    `config` is the target's HF config. Module j takes native layer j % n (vLLM's cycling for more
+    steps than layers). The shared head falls back to what is already there (call `init_from_target`
+    first) when the checkpoint shares the target's lm_head. Returns n, the native layers found.
+    """
+    from drafthead.mtp_native import to_ours
+
+    ours = to_ours(state_dict, config)
+    n = 1 + max(int(k.split(".")[1]) for k in ours) if ours else 0
+    if n == 0:
+        raise ValueError("MTP init from native weights: the state dict has no MTP layer tensors")
+    for j, m in enumerate(drafter.layers):
+        want = m.state_dict()
+        got = {k.split(".", 2)[2]: v for k, v in ours.items() if int(k.split(".")[1]) == j % n}
+        extra = sorted(set(got) - set(want))
+        if extra:
+            raise ValueError(f"MTP init from native weights: layer {j % n} has tensors the dense MTP block "
+                             f"cannot hold (MoE / MLA blocks are not supported): {extra[:6]}"
+                             f"{' ...' if len(extra) > 6 else ''}")
+        missing = sorted(k for k in set(want) - set(got) if not k.startswith("shared_head.head"))
+        if missing:
+            raise ValueError(f"MTP init from native weights: layer {j % n} lacks {missing} (do the block "
+                             f"flags match the target architecture?)")
+        for k, t in got.items():
+            _copy(want[k], t, f"native layer {j % n}: {k}")
+    return n
