@@ -297,7 +297,7 @@ def test_real_smollm2_recipe_smoke(tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), "recipe=eagle3_smollm2", "data.max_samples=16",
            "train.max_steps=4", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
            "train.eval_samples=8"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                        env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert f"draft saved to {run / 'final'}" in p.stdout

@@ -1,0 +1,347 @@
+"""What every exporter needs: the validated draft, the target's dimensions, the HF llama fields.
+
+An export never starts writing before all of this has passed, so a bad draft or a mismatched target
+leaves nothing at `out`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from drafthead.eagle3 import Eagle3Config
+from drafthead.registry import NOT_SAVED, read_draft_config
+
+log = logging.getLogger(__name__)
+
+
+class ExportError(ValueError):
+    """A draft, target or option that cannot be exported as asked."""
+
+
+@dataclass
+class DraftSource:
+    """A draft directory read and checked: config, weights (SGLang names) and the raw metadata."""
+
+    path: Path
+    config: Eagle3Config
+    state: dict[str, torch.Tensor]  # our names: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
+    meta: dict
+
+
+@dataclass
+class TargetInfo:
+    """The target's dimensions as far as exports need them."""
+
+    name_or_path: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
+    gguf_path: Path | None = None  # the target as one GGUF file (tokenizer metadata for to=gguf)
+    source: str = ""  # where the numbers came from, for messages
+
+
+# ---------------------------------------------------------------------------------------------
+# draft
+
+def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of an `Eagle3Drafter`'s saved tensors (a test pins them against the module)."""
+    H, I, D, N, V = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    return {
+        "fc.weight": (H, len(cfg.aux_layer_ids) * cfg.target_hidden_size),
+        "midlayer.input_layernorm.weight": (H,),
+        "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, q),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (I, H),
+        "midlayer.mlp.up_proj.weight": (I, H),
+        "midlayer.mlp.down_proj.weight": (H, I),
+        "norm.weight": (H,),
+        "lm_head.weight": (N, H),
+        "d2t": (N,),
+        "t2d": (V,),
+    }
+
+
+def load_source(draft_dir: str | os.PathLike) -> DraftSource:
+    """Read `draft_dir` (a drafthead draft, `run_dir/final/`) and check weights against its config."""
+    path = Path(draft_dir)
+    if not path.is_dir():
+        raise ExportError(f"draft directory not found: {path}")
+    meta = read_draft_config(path)
+    if meta["family"] != "eagle3":
+        raise ExportError(f"{path}: export supports EAGLE3 drafts only, this draft is family {meta['family']!r}")
+    try:
+        cfg = Eagle3Config(**meta["draft"])
+    except TypeError as e:
+        raise ExportError(f"{path}/config.json: bad 'draft' section: {e}") from None
+    if len(cfg.aux_layer_ids) != 3:
+        raise ExportError(f"{path}: EAGLE3 export needs exactly 3 aux layer ids (SGLang/vLLM/llama.cpp), "
+                          f"got {cfg.aux_layer_ids}")
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise ExportError(f"{path}: no model.safetensors")
+    state = load_file(str(weights))
+    check_state(state, cfg, str(path))
+    state = {k: v for k, v in state.items() if k not in NOT_SAVED}  # the embedding always comes from the target
+    return DraftSource(path, cfg, state, meta)
+
+
+def check_state(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: str) -> None:
+    """Missing/unexpected/misshapen tensors and a d2t/t2d pair that does not describe one vocabulary."""
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want) - set(NOT_SAVED))
+    if missing or unexpected:
+        raise ExportError(f"{where}: draft tensors do not match its config: missing {missing}, unexpected {unexpected}")
+    for k, shape in want.items():
+        if tuple(state[k].shape) != shape:
+            raise ExportError(f"{where}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
+    d2t, t2d = state["d2t"], state["t2d"]
+    if d2t.dtype != torch.int64:
+        raise ExportError(f"{where}: d2t must be int64 offsets, got {d2t.dtype}")
+    if t2d.dtype != torch.bool:
+        raise ExportError(f"{where}: t2d must be bool, got {t2d.dtype}")
+    ids = absolute_d2t(d2t)
+    if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
+        raise ExportError(f"{where}: d2t maps draft ids outside the target vocabulary 0..{cfg.vocab_size - 1}")
+    if ids.unique().numel() != ids.numel():
+        raise ExportError(f"{where}: d2t maps two draft ids to the same target id")
+    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[ids].all()):
+        raise ExportError(f"{where}: t2d (marks {int(t2d.sum())} target ids) does not agree with d2t "
+                          f"({cfg.draft_vocab_size} draft ids)")
+    for k, v in state.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ExportError(f"{where}: tensor {k} has NaN/inf values")
+
+
+def absolute_d2t(d2t: torch.Tensor) -> torch.Tensor:
+    """SGLang/vLLM offsets -> absolute target ids (what llama.cpp stores). [N]"""
+    return d2t + torch.arange(d2t.numel(), dtype=d2t.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# target
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+STRING, ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | os.PathLike) -> dict[str, tuple[int, int | None, Any]]:
+    """All key/values of a GGUF file: {key: (value type, array item type or None, value)}.
+
+    Our own reader of the KV section (little-endian GGUF v2/v3): `gguf.GGUFReader` builds a numpy
+    view per string and needs ~1 min for a 49k-token vocabulary on a busy 2-core machine; this ~0.1 s.
+    """
+    import mmap
+    import struct
+
+    with open(path, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            raise ExportError(f"{path}: not a GGUF file")
+        version, _, n_kv = struct.unpack("<IQQ", head[4:])
+        if version not in (2, 3):
+            raise ExportError(f"{path}: unsupported GGUF version {version} (or big-endian file)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # only the metadata pages are read
+    try:
+        return _parse_kv(buf, 24, n_kv, str(path))
+    finally:
+        buf.close()
+
+
+def _parse_kv(buf, pos: int, n_kv: int, path: str) -> dict[str, tuple[int, int | None, Any]]:
+    import struct
+
+    def take(fmt: str):
+        nonlocal pos
+        v = struct.unpack_from(fmt, buf, pos)[0]
+        pos += struct.calcsize(fmt)
+        return v
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        pos += n
+        return bytes(buf[pos - n: pos]).decode("utf-8")
+
+    def value(t: int):
+        nonlocal pos
+        if t == STRING:
+            return string()
+        if t in _SCALARS:
+            return take(_SCALARS[t])
+        raise ExportError(f"{path}: unexpected GGUF value type {t}")
+
+    out: dict[str, tuple[int, int | None, Any]] = {}
+    for _ in range(n_kv):
+        key = string()
+        t = take("<I")
+        if t != ARRAY:
+            out[key] = (t, None, value(t))
+            continue
+        sub, n = take("<I"), take("<Q")
+        if sub in _NUMPY:
+            arr = np.frombuffer(buf, dtype=_NUMPY[sub], count=n, offset=pos)
+            pos += arr.nbytes
+            items = arr.tolist()
+            del arr  # release the mmap export before close
+        else:
+            items = [value(sub) for _ in range(n)]
+        out[key] = (t, sub, items)
+    return out
+
+
+def gguf_target_info(path: Path, name: str) -> TargetInfo:
+    kv = {k: v[2] for k, v in read_gguf_metadata(path).items()}
+    arch = kv.get("general.architecture")
+    if arch is None:
+        raise ExportError(f"{path}: not a model GGUF (no general.architecture)")
+    tokens = kv.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else kv.get(f"{arch}.vocab_size")
+    hidden, layers = kv.get(f"{arch}.embedding_length"), kv.get(f"{arch}.block_count")
+    if vocab is None or hidden is None or layers is None:
+        raise ExportError(f"{path}: GGUF lacks tokenizer.ggml.tokens/{arch}.vocab_size, "
+                          f"{arch}.embedding_length or {arch}.block_count")
+    return TargetInfo(name, int(vocab), int(hidden), int(layers), [_hf_arch(arch)], path, f"GGUF {path}")
+
+
+def _hf_arch(gguf_arch: str) -> str:
+    return {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM"}.get(gguf_arch, gguf_arch)
+
+
+def hf_dir_target_info(path: Path, name: str, gguf_file: str | None) -> TargetInfo:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}
+    try:
+        info = TargetInfo(name, int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
+                          list(cfg.get("architectures") or ["LlamaForCausalLM"]), None, f"{path}/config.json")
+    except KeyError as e:
+        raise ExportError(f"{path}/config.json has no {e.args[0]}") from None
+    g = path / gguf_file if gguf_file else None
+    if g is None:
+        found = sorted(path.glob("*.gguf"))
+        g = found[0] if len(found) == 1 else None
+    info.gguf_path = g if g is not None and g.is_file() else None
+    return info
+
+
+def resolve_target(target: str | None, meta: dict) -> TargetInfo:
+    """The target named by `target=` or, by default, the one recorded in the draft's config.json.
+
+    A built-in name, a `.gguf` file, or a local HF directory (config.json). When the recorded default
+    cannot be found on this machine, the dimensions recorded at training time are used.
+    """
+    from drafthead.target import BUILTIN_TARGETS
+
+    recorded = meta.get("target") or {}
+    explicit = target is not None
+    name = target if explicit else recorded.get("name_or_path")
+    if not name:
+        raise ExportError("no target: pass target=NAME_OR_PATH (the draft's config.json names none)")
+    gguf_file = None if explicit else recorded.get("gguf_file")
+    if name in BUILTIN_TARGETS:
+        from drafthead.assets import asset_path
+
+        return gguf_target_info(asset_path(name), name)
+    p = Path(name)
+    if p.suffix == ".gguf" and p.is_file():
+        return gguf_target_info(p, name)
+    if p.is_dir() and (p / "config.json").is_file():
+        return hf_dir_target_info(p, name, gguf_file)
+    if p.is_dir() and gguf_file and (p / gguf_file).is_file():
+        return gguf_target_info(p / gguf_file, name)
+    if explicit:
+        raise ExportError(f"target {name!r} not found: give a built-in name, a .gguf file or a local HF "
+                          f"directory with config.json")
+    try:
+        info = TargetInfo(name, int(recorded["vocab_size"]), int(recorded["hidden_size"]),
+                          int(recorded["num_hidden_layers"]),
+                          [recorded.get("architecture") or "LlamaForCausalLM"], None, "the draft's config.json")
+    except KeyError as e:
+        raise ExportError(f"target {name!r} is not on this machine and the draft records no {e.args[0]}; "
+                          f"pass target=") from None
+    log.warning("target %r not found locally; using the dimensions recorded in the draft", name)
+    return info
+
+
+def check_target(cfg: Eagle3Config, t: TargetInfo) -> None:
+    if t.vocab_size != cfg.vocab_size:
+        raise ExportError(f"target vocab size {t.vocab_size} ({t.source}) does not match the draft's "
+                          f"{cfg.vocab_size}: the draft was trained for another target")
+    if t.hidden_size != cfg.target_hidden_size:
+        raise ExportError(f"target hidden size {t.hidden_size} ({t.source}) does not match the draft's "
+                          f"target_hidden_size {cfg.target_hidden_size}")
+    bad = [i for i in cfg.aux_layer_ids if not 0 <= i < t.num_hidden_layers]
+    if bad:
+        raise ExportError(f"aux layer ids {bad} out of range for a target with {t.num_hidden_layers} layers")
+
+
+# ---------------------------------------------------------------------------------------------
+# shared config pieces
+
+def llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
+    """The HF LlamaConfig fields of the one draft decoder layer (SGLang/vLLM/speculators read these)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+SAFETENSORS_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cast_state(state: dict[str, torch.Tensor], outtype: str | None) -> dict[str, torch.Tensor]:
+    """Cast float tensors for the safetensors formats (d2t/t2d keep int64/bool); None keeps dtypes."""
+    if outtype is None:
+        return dict(state)
+    if outtype not in SAFETENSORS_DTYPES:
+        raise ExportError(f"outtype={outtype!r} is not available for safetensors exports; "
+                          f"choose one of {sorted(SAFETENSORS_DTYPES)}")
+    dt = SAFETENSORS_DTYPES[outtype]
+    return {k: (v.to(dt) if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def default_mode(path: str | os.PathLike, directory: bool = False) -> None:
+    """Give a temp file/dir (mkstemp/mkdtemp: 0600/0700) and, for a dir, its files the permissions a
+    plain open/mkdir would: an export is meant to be read by servers running as other users."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if directory else 0o666) & ~mask)
+    if directory:
+        for f in Path(path).iterdir():
+            if f.is_file():
+                os.chmod(f, 0o666 & ~mask)
+
+
+def dtype_name(state: dict[str, torch.Tensor]) -> str:
+    dt = state["fc.weight"].dtype if "fc.weight" in state else torch.float32
+    return str(dt).removeprefix("torch.")

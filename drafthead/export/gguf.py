@@ -1,0 +1,182 @@
+"""`to=gguf`: an EAGLE3 draft llama.cpp loads with `-md draft.gguf --spec-type draft-eagle3`.
+
+Written with the PyPI `gguf` writer under explicit names (the PyPI package has no EAGLE3 constants).
+Every name, shape and key below was read from the llama.cpp tree vendored in llama-cpp-python 0.3.36:
+- `src/models/eagle3.cpp` `llama_model_eagle3::load_arch_hparams`: `eagle3.target_layers` (array of
+  exactly 3 ints, required), `eagle3.target_hidden_size` (u32), optional `eagle3.norm_before_residual`;
+  `llama_model_base::load_hparams` (src/llama-model.cpp) the usual `eagle3.*` llama keys.
+- `load_arch_tensors`: `fc.weight` {3*Ht, H}, `blk.0.attn_norm` (embedding norm), `blk.0.attn_norm_2`
+  (hidden_norm), `blk.0.attn_q/k/v` {2H, ..}, `attn_output`, `ffn_norm/gate/up/down`, `output_norm`,
+  `output` {H, N} and `d2t` {N} (I64, absolute target ids: `ggml_set_rows` scatters draft logits to
+  these rows); `token_embd` is optional (the target's is used).
+- The graph ropes with `LLAMA_ROPE_TYPE_NORM` (adjacent pairs), so q/k rows are permuted from HF's
+  rotate-half order exactly as llama.cpp's HF converter does for Llama (`LlamaModel.permute`).
+- `common/speculative.cpp` (`common_speculative_impl_draft_eagle3`) reads the layer ids from OUR file
+  (`llama_model_target_layer_ids(model_dft)`) and turns on `llama_set_embeddings_layer_inp(ctx_tgt, id)`;
+  `src/models/llama.cpp` records `res->t_layer_inp[il] = inpL` at the top of decoder layer `il`: the
+  input of layer `id` = HF `hidden_states[id]` = drafthead's aux id. So `target_layers` = our ids as is.
+Tokenizer metadata (`tokenizer.*`) is copied from the target GGUF so both models share one vocabulary.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from drafthead.export.common import (DraftSource, ExportError, TargetInfo, absolute_d2t, default_mode,
+                                     read_gguf_metadata)
+
+ARCH = "eagle3"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+# general.file_type values (llama.cpp `llama_ftype`)
+FILE_TYPES = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}
+
+# our name -> llama.cpp name (without the `.weight` suffix where llama.cpp's tn() adds one)
+TENSOR_NAMES = {
+    "fc.weight": "fc.weight",
+    "midlayer.input_layernorm.weight": "blk.0.attn_norm.weight",
+    "midlayer.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+    "midlayer.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+    "midlayer.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+    "midlayer.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+    "midlayer.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+    "midlayer.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+    "midlayer.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "midlayer.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+    "midlayer.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "d2t": "d2t",
+}
+NOT_WRITTEN = ("t2d",)  # llama.cpp has no use for it
+
+
+def rope_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF rotate-half row order -> llama.cpp's interleaved pairs, per head. w: [n_heads*D, in]."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, d // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def rope_unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `rope_permute`."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(src: DraftSource) -> dict[str, torch.Tensor]:
+    """The draft's tensors under llama.cpp names, in llama.cpp layout (fp32 / int64)."""
+    cfg, sd = src.config, src.state
+    out = {}
+    for ours, theirs in TENSOR_NAMES.items():
+        t = sd[ours]
+        if ours == "midlayer.self_attn.q_proj.weight":
+            t = rope_permute(t, cfg.num_attention_heads)
+        elif ours == "midlayer.self_attn.k_proj.weight":
+            t = rope_permute(t, cfg.num_key_value_heads)
+        elif ours == "d2t":
+            t = absolute_d2t(t)
+        out[theirs] = t.to(torch.int64) if ours == "d2t" else t.float()
+    return out
+
+
+def _encode(name: str, t: torch.Tensor, outtype: str):
+    """(array, raw_dtype) for GGUFWriter.add_tensor. 1-D tensors stay f32 (norms) / i64 (d2t)."""
+    import gguf
+    from gguf import quants
+
+    q = gguf.GGMLQuantizationType
+    if t.dtype == torch.int64:
+        return t.numpy(), q.I64
+    a = t.detach().float().contiguous().numpy()
+    if a.ndim < 2 or outtype == "f32":
+        return a, q.F32
+    if outtype == "f16":
+        return a.astype(np.float16), q.F16
+    if outtype == "bf16":
+        return quants.quantize(a, q.BF16), q.BF16
+    block = gguf.GGML_QUANT_SIZES[q.Q8_0][0]
+    if a.shape[-1] % block:  # rows that do not split into 32-blocks: f16, as llama.cpp's converter does
+        return a.astype(np.float16), q.F16
+    return quants.quantize(a, q.Q8_0), q.Q8_0
+
+
+def copy_tokenizer(target_gguf: Path, writer) -> int:
+    """Copy every `tokenizer.*` key of the target GGUF (same value types); returns how many."""
+    import gguf
+
+    n = 0
+    for key, (vtype, sub, value) in read_gguf_metadata(target_gguf).items():
+        if not key.startswith("tokenizer."):
+            continue
+        if sub is None:
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype))
+        else:
+            writer.add_key_value(key, value, gguf.GGUFValueType(vtype), sub_type=gguf.GGUFValueType(sub))
+        n += 1
+    if not n:
+        raise ExportError(f"{target_gguf}: no tokenizer.* metadata to copy")
+    return n
+
+
+def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = "f32") -> None:
+    """Write the file (not atomic; `export` wraps it)."""
+    import gguf
+
+    cfg = src.config
+    layers = list(cfg.aux_layer_ids)  # inputs of these target layers: what llama.cpp extracts, see above
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_type("model")
+    w.add_name(f"{Path(target.name_or_path).name} EAGLE3 draft (drafthead)")
+    w.add_file_type(FILE_TYPES[outtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(1)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_key_value(f"{ARCH}.target_layers", layers, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
+    w.add_uint32(f"{ARCH}.target_hidden_size", cfg.target_hidden_size)
+    w.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
+    copy_tokenizer(target.gguf_path, w)
+    for name, t in gguf_tensors(src).items():
+        arr, raw = _encode(name, t, outtype)
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:
+    outtype = outtype or "f32"
+    if outtype not in OUTTYPES:
+        raise ExportError(f"outtype={outtype!r} is not a GGUF output type; choose one of {list(OUTTYPES)}")
+    out = Path(out)
+    if out.suffix != ".gguf":
+        raise ExportError(f"to=gguf writes one file: out={str(out)!r} must end in .gguf")
+    if target.gguf_path is None:
+        raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target "
+                          f"{target.name_or_path!r} ({target.source}) is not a GGUF file: pass target=PATH.gguf")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    try:
+        write_gguf(src, target, Path(tmp), outtype)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        default_mode(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
