@@ -505,25 +505,11 @@ def load_tokenizer_cached(name_or_path: str, gguf_file: str | None = None):
     """AutoTokenizer, with GGUF tokenizers converted once and saved under cache_dir()/tokenizers.
 
     Converting the SmolLM2 GGUF vocab takes ~10 s; the saved copy loads in ~0.4 s.
+    Same cache as `drafthead.target.load_tokenizer` (which this calls).
     """
-    import transformers
-    from transformers import AutoTokenizer
+    from drafthead.target import load_tokenizer, resolve_target
 
-    from drafthead.target import resolve_target
-
-    path, gguf = resolve_target(name_or_path, gguf_file)
-    if not gguf:
-        return AutoTokenizer.from_pretrained(path)
-    src = Path(path) / gguf
-    st = src.stat()
-    key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
-    out = cache_dir() / "tokenizers" / f"{src.stem}-{key.hexdigest()[:16]}"
-    if (out / "tokenizer_config.json").exists():
-        return AutoTokenizer.from_pretrained(out)
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf)
-    with atomic_dir(out) as tmp:
-        tok.save_pretrained(tmp)
-    return tok
+    return load_tokenizer(*resolve_target(name_or_path, gguf_file))
 
 
 # ----------------------------------------------------------------------------- JSONL of conversations
