@@ -35,7 +35,7 @@ from typing import Any
 from tqdm import tqdm
 
 from drafthead.assets import asset_path, cache_dir
-from drafthead.io import atomic_dir, atomic_write_bytes
+from drafthead.io import atomic_write_bytes
 
 Message = dict  # {"role": "system"|"user"|"assistant", "content": str}
 
