@@ -37,6 +37,7 @@ DRAFT_VOCAB = 2048
 TRAIN_STEPS = 40
 TTT_STEPS = 3
 THREADS = default_threads()
+POLL = 0  # worker threads sleep instead of spinning: no collapse on shared cores
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,9 @@ def world(tmp_path_factory, bins):
     target = load_target("smollm2-135m-instruct")
     tok = target.tokenizer
     prompts = [lc.chat_prompt(tok, p) for p in PROMPTS]
-    alone = [lc.run_target(bins, target_gguf, p, N_PREDICT, THREADS) for p in prompts]
+    alone = [lc.run_target(bins, target_gguf, p, N_PREDICT, THREADS, poll=POLL) for p in prompts]
     # a few tokens more for training: llama-speculative-simple may overshoot -n by up to n_draft tokens
-    longer = [lc.run_target(bins, target_gguf, p, N_PREDICT + N_DRAFT + 2, THREADS) for p in prompts]
+    longer = [lc.run_target(bins, target_gguf, p, N_PREDICT + N_DRAFT + 2, THREADS, poll=POLL) for p in prompts]
     print(f"\n[{time.perf_counter() - t0:.0f}s] target loaded, llama.cpp target-alone runs done")
 
     # training data: prompt + llama.cpp's own greedy continuation, loss on the continuation
@@ -124,7 +125,7 @@ def test_llama_cpp_runs_trained_draft(world, bins):
         for i, (prompt, alone, longer) in enumerate(zip(world["prompts"], world["alone"], world["longer"],
                                                         strict=True)):
             r = run_speculative(bins, world["target_gguf"], world["files"][name], prompt, N_PREDICT, N_DRAFT,
-                                THREADS, verbose=i == 0)
+                                THREADS, verbose=i == 0, poll=POLL)
             if i == 0:  # llama.cpp loaded our file as an eagle3 draft with our layer ids
                 assert "arch                  = eagle3" in r.log, r.log[-3000:]
                 assert "EAGLE3 extract_layers = [2, 15, 27]" in r.log and "draft_vocab_size = 2048" in r.log
@@ -191,7 +192,7 @@ def test_llama_cpp_acceptance_matches_pytorch_replay(world, bins):
                                  N_DRAFT)
         py_d, py_a = py_d + d, py_a + a
         r = run_speculative(bins, world["target_gguf"], world["files"]["trained"], prompt, N_PREDICT, N_DRAFT,
-                            THREADS)
+                            THREADS, poll=POLL)
         lc_d, lc_a = lc_d + r.n_drafted, lc_a + r.n_accept
     rate, py_rate = lc_a / max(lc_d, 1), py_a / max(py_d, 1)
     print(f"acceptance: llama.cpp {rate:.3f} ({lc_a}/{lc_d}), pytorch replay {py_rate:.3f} ({py_a}/{py_d})")

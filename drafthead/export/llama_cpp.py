@@ -86,11 +86,18 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 COMMON = ["--temp", "0", "--seed", "0", "-c", "2048"]
 
 
+def _poll(poll: int | None) -> list[str]:
+    """--poll 0 makes ggml's worker threads sleep instead of spin (the draft context follows --poll):
+    ~10% slower on an idle machine, but no collapse when the cores are shared. Tests use it;
+    benchmarks keep llama.cpp's default."""
+    return [] if poll is None else ["--poll", str(poll)]
+
+
 def run_target(bins: Path, model: Path, prompt: str, n_predict: int, threads: int = 2,
-               timeout: float = 600) -> Run:
+               timeout: float = 600, poll: int | None = None) -> Run:
     """Greedy generation by the target alone (llama-completion, no conversation mode)."""
     res = _run([str(bins / "llama-completion"), "-m", str(model), "-p", prompt, "-n", str(n_predict),
-                "-t", str(threads), "-no-cnv", "--no-display-prompt", *COMMON], timeout)
+                "-t", str(threads), "-no-cnv", "--no-display-prompt", *COMMON, *_poll(poll)], timeout)
     # stdout: generated pieces + (" [end of text]\n" at EOS) + "\n\n"
     text = res.stdout.removesuffix("\n\n").removesuffix(" [end of text]\n")
     m = re.search(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", res.stderr)
@@ -102,12 +109,12 @@ def run_target(bins: Path, model: Path, prompt: str, n_predict: int, threads: in
 
 
 def run_speculative(bins: Path, target: Path, draft: Path, prompt: str, n_predict: int, n_draft: int = 3,
-                    threads: int = 2, timeout: float = 600, verbose: bool = False) -> Run:
+                    threads: int = 2, timeout: float = 600, verbose: bool = False, poll: int | None = None) -> Run:
     """llama-speculative-simple with our EAGLE3 draft; returns text and llama.cpp's own counters.
     `verbose` keeps the model-loading log (-lv 4), e.g. `load_arch_hparams: EAGLE3 extract_layers = [..]`."""
     res = _run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(draft),
                 "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_draft), "-p", prompt,
-                "-n", str(n_predict), "-t", str(threads), "-td", str(threads), *COMMON,
+                "-n", str(n_predict), "-t", str(threads), "-td", str(threads), *COMMON, *_poll(poll),
                 *(["-lv", "4"] if verbose else [])], timeout)
     # stdout: "\n\n" + prompt pieces + generated pieces + "\n\n" + "\n\n"
     body = res.stdout.removeprefix("\n\n").removesuffix("\n\n\n\n")
