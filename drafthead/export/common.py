@@ -345,3 +345,16 @@ def default_mode(path: str | os.PathLike, directory: bool = False) -> None:
 def dtype_name(state: dict[str, torch.Tensor]) -> str:
     dt = state["fc.weight"].dtype if "fc.weight" in state else torch.float32
     return str(dt).removeprefix("torch.")
+
+
+def write_hf_dir(out: str | os.PathLike, state: dict, config: dict) -> Path:
+    """`model.safetensors` + `config.json` into `out`, atomically, with umask permissions."""
+    from safetensors.torch import save_file
+
+    from drafthead.io import atomic_dir
+
+    with atomic_dir(out) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        default_mode(tmp, directory=True)
+    return Path(out)

@@ -23,12 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from drafthead.eagle3 import Eagle3Config
-from drafthead.export.common import (DraftSource, ExportError, TargetInfo, cast_state, default_mode, dtype_name,
+from drafthead.export.common import (write_hf_dir, DraftSource, ExportError, TargetInfo, cast_state, dtype_name,
                                      llama_fields)
-from drafthead.io import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +80,7 @@ def _target_record(target: TargetInfo, meta: dict) -> dict:
 def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:
     state = cast_state(src.state, outtype)
     config = build_config(src.config, target, src.meta, dtype_name(state))
-    with atomic_dir(out) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        default_mode(tmp, directory=True)
-    return Path(out)
+    return write_hf_dir(out, state, config)
 
 
 def to_internal(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from drafthead.eagle3 import Eagle3Config
-from drafthead.export.common import (DraftSource, ExportError, TargetInfo, cast_state, default_mode, dtype_name,
+from drafthead.export.common import (write_hf_dir, DraftSource, ExportError, TargetInfo, cast_state, dtype_name,
                                      llama_fields)
 from drafthead.export.sglang import LAYER_ID_MEANING, _target_record, config_from_llama_fields
-from drafthead.io import atomic_dir
 
 ARCHITECTURE = "Eagle3Speculator"
 SPECULATORS_VERSION = "0.1.0"  # the config schema we follow (Eagle3SpeculatorConfig)
@@ -78,11 +76,7 @@ def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype
     config = build_config(src.config, target, src.meta, dtype_name(cast), num_draft_tokens=num_draft_tokens,
                           verifier=verifier)
     state = {rename_out(k): v for k, v in cast.items()}
-    with atomic_dir(out) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        default_mode(tmp, directory=True)
-    return Path(out)
+    return write_hf_dir(out, state, config)
 
 
 def to_internal(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
