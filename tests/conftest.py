@@ -3,10 +3,18 @@ a tiny in-process ChatML tokenizer and a tiny ShareGPT file. No hub access; ever
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's decorators (its own standard library included) read TRITON_INTERPRET when `triton` is first
+# imported, and torch._dynamo imports triton as a side effect. On a machine without CUDA the interpreter is
+# the only way the kernels run, so switch it on before any test module can import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
