@@ -463,3 +463,21 @@ def test_real_smollm2_tokenizer_masks():
             ids, mask = D.render_and_mask(tok, messages, chat_template=template(name))
             assert masked_text(tok, ids, mask) == "".join(m["content"] + EOT[name]
                                                           for m in messages if m["role"] == "assistant")
+
+
+def test_regenerate_skips_and_counts_long_prompts(tmp_path, capsys):
+    """A first prompt longer than max_prompt_tokens is not answered (a batch runs at its longest prompt);
+    the conversation keeps its original answers in training and the skip is counted in one line."""
+    target, convs = tiny_target(), regen_convs()
+    tok = target.tokenizer
+    first = [[m for m in c.messages[:1] if m["role"] == "system"] + [m for m in c.messages if m["role"] == "user"][:1]
+             for c in convs]
+    lens = [len(tok(D._render(tok, msgs, None, None,
+                              add_generation_prompt=True), add_special_tokens=False)["input_ids"]) for msgs in first]
+    limit = sorted(lens)[len(lens) // 2]
+    capsys.readouterr()
+    got = D.regenerate(target, convs, str(tmp_path / "r.jsonl"), max_new_tokens=4, batch_size=2,
+                       max_prompt_tokens=limit)
+    kept = [c.id for c, n in zip(convs, lens) if n <= limit]
+    assert [c.id for c in got] == kept and 0 < len(kept) < len(convs)
+    assert f"{len(convs) - len(kept)} conversations keep their original answers" in capsys.readouterr().out

@@ -35,6 +35,7 @@ class RegenerateConfig:
     top_p: float = 1.0
     batch_size: int = 8
     max_turns: int = 1
+    max_prompt_tokens: int | None = None  # longer first prompts keep their original answers (null = data.max_length - 32)
 
 
 @dataclass

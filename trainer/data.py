@@ -576,12 +576,14 @@ def _read_done(path: Path) -> dict[str, Conversation]:
 def regenerate(target, convs: list[Conversation], out_path: str, max_new_tokens: int = 512,
                temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, seed: int = 0,
                max_turns: int = 1, chat_template: str | None = None,
-               enable_thinking: bool | None = None) -> list[Conversation]:
+               enable_thinking: bool | None = None, max_prompt_tokens: int | None = None) -> list[Conversation]:
     """Replace assistant turns with the target's own answers (draft heads learn the target's distribution).
 
     Keeps the leading system message and the first `max_turns` user turns, answering each in order with
     the regenerated history. Resumable: finished conversations are appended to `out_path` (flushed per
     batch) and ids already there are skipped. Returns the regenerated conversations of `convs` (input order).
+    `max_prompt_tokens` skips (and counts) conversations whose first prompt is longer: a batch runs at the
+    length of its longest prompt, and an answer behind a prompt longer than the training window is cut anyway.
     """
     import torch
 
@@ -599,6 +601,18 @@ def regenerate(target, convs: list[Conversation], out_path: str, max_new_tokens:
         users = [m for m in c.messages if m["role"] == "user"][:max_turns]
         if users:
             todo.append((c.id, system, users))
+    long_prompts = 0
+    if max_prompt_tokens is not None:
+        kept = []
+        for item in todo:
+            prompt = _render(tok, item[1] + item[2][:1], chat_template, enable_thinking, add_generation_prompt=True)
+            if len(tok(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_tokens:
+                kept.append(item)
+        long_prompts = len(todo) - len(kept)
+        todo = kept
+        if long_prompts:
+            print(f"regenerate: {long_prompts} conversations keep their original answers: first prompt longer than "
+                  f"max_prompt_tokens={max_prompt_tokens}", flush=True)
     todo.sort(key=lambda t: -len(t[2][0]["content"]))  # similar lengths per batch: less padding
     eot = list(_eot_tokens(tok))
     gen_eos = model.generation_config.eos_token_id

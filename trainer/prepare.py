@@ -58,7 +58,8 @@ def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: P
         log(f"regenerating {len(chosen)} of {len(convs)} conversations with the target -> {out}")
         D.regenerate(target, chosen, str(out), max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
                      top_p=rc.top_p, batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
-                     chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking)
+                     chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking,
+                     max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1))
     barrier(d)
     regen = {c.id: c for c in D.read_jsonl(out)}
     return [regen.get(c.id, c) if i in pick else c for i, c in enumerate(convs)]
