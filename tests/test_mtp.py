@@ -588,3 +588,190 @@ def test_runtime_rejects_mismatched_mtp_draft():
     other = tiny_llama(vocab=128, hidden_size=48, dtype=torch.float64)
     with pytest.raises(ValueError, match="draft/target mismatch: hidden size: MTP draft has hidden_size=48"):
         SpeculativeGenerator(target, tiny_mtp(other, K=1))
+
+
+# ---- export: to=hf / to=gguf (the target checkpoint with the MTP layers added) ---------------------------
+def _mtp_draft_for(model: nn.Module, target_dir: Path, draft_dir: Path, K: int = 2, recursive: bool = False,
+                   seed: int = 13, **kw) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A random MTP draft for the target saved at `target_dir` (recorded as its target); returns (dir, weights)."""
+    d = _randomise(MtpDrafter(MtpConfig.from_target(model.config, num_modules=K, recursive=recursive, **kw)), seed)
+    info = {"name_or_path": str(target_dir), "gguf_file": None, "num_hidden_layers": model.config.num_hidden_layers,
+            "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size}
+    save_draft(d, draft_dir, info)
+    return draft_dir, {k: v for k, v in d.state_dict().items() if k not in NOT_SAVED}
+
+
+def test_export_hf_nextn_layout_round_trip(tmp_path):
+    """A llama target (no MTP convention of its own) gets DeepSeek/GLM-style layers model.layers.{N+i}.*."""
+    from transformers import AutoConfig
+
+    from drafthead.export import export
+    from drafthead.export.mtp import read_native_export
+
+    model = tiny_llama()
+    tdir = tmp_path / "target"
+    model.save_pretrained(tdir)
+    ddir, ours = _mtp_draft_for(model, tdir, tmp_path / "draft", K=2, recursive=False)
+    out = export(ddir, "hf", tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 2 and cfg["num_hidden_layers"] == 2
+    original = json.loads((tdir / "config.json").read_text())
+    assert {k: v for k, v in cfg.items() if k != "num_nextn_predict_layers"} == original
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    mtp = load_file(str(out / "model-mtp.safetensors"))
+    block = {k.split(".", 2)[2] for k in ours if k.startswith("layers.0.")}
+    assert set(mtp) == {f"model.layers.{2 + i}.{n}" for i in (0, 1) for n in block | {"embed_tokens.weight"}}
+    assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
+            "self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"} <= block
+    assert all(index[k] == "model-mtp.safetensors" for k in mtp)
+    assert torch.equal(mtp["model.layers.3.embed_tokens.weight"], model.model.embed_tokens.weight)  # DeepSeek's copy
+    # the target's own weights are there unchanged: transformers loads the export as the same model
+    back = LlamaForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, V, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x).logits, atol=0, rtol=0)
+    # round trip: the native loader (drafter.init=native) reads back exactly the draft's tensors
+    config, got = read_native_export(out)
+    assert got.keys() == ours.keys() and all(torch.equal(got[k], ours[k]) for k in ours)
+    dst = MtpDrafter(MtpConfig.from_target(config, num_modules=2, recursive=False))
+    assert dst.config.native_layers == 2 and init_from_native(dst, read_native(str(out), config), config) == 2
+    assert all(torch.equal(dst.state_dict()[k], ours[k]) for k in ours)
+    # and out/draft is the draft in drafthead's own format
+    again = load_draft(out / "draft", embed_weight=model.get_input_embeddings().weight)
+    assert all(torch.equal(again.state_dict()[k], ours[k]) for k in ours)
+    # a second export onto a target that already has MTP layers replaces them (no stale tensors)
+    ddir1, ours1 = _mtp_draft_for(model, out, tmp_path / "draft1", K=1, recursive=True, seed=3)
+    out1 = export(ddir1, "hf", tmp_path / "out1", outtype="bf16")
+    assert json.loads((out1 / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    names = json.loads((out1 / "model.safetensors.index.json").read_text())["weight_map"]
+    assert not any(k.startswith("model.layers.3.") for k in names) and "model.layers.2.eh_proj.weight" in names
+    config1, got1 = read_native_export(out1)
+    assert got1["layers.0.eh_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(got1["layers.0.eh_proj.weight"], ours1["layers.0.eh_proj.weight"].bfloat16())
+    assert AutoConfig.from_pretrained(out1).num_nextn_predict_layers == 1
+
+
+def test_export_hf_qwen35_layout_round_trip(tmp_path):
+    """Qwen3.5: shared mtp.fc / mtp.pre_fc_norm_* / mtp.norm, mtp.layers.{i}.*, mtp_num_hidden_layers, no head."""
+    from drafthead.export import ExportError, export
+    from drafthead.export.mtp import read_native_export
+
+    model = _qwen35(mtp=1)
+    tdir = tmp_path / "target"
+    model.save_pretrained(tdir)
+    torch.manual_seed(0)
+    d = MtpDrafter(MtpConfig.from_target(model.config, num_modules=3))  # recursive: one stored module
+    init_from_target(d, model)  # the shared head is the target's lm_head, as the Qwen layout requires
+    _perturb_norms(d)
+    info = {"name_or_path": str(tdir), "num_hidden_layers": 4, "hidden_size": H, "vocab_size": V}
+    save_draft(d, tmp_path / "draft", info)
+    ours = {k: v for k, v in d.state_dict().items() if k not in NOT_SAVED}
+    out = export(tmp_path / "draft", "hf", tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["mtp_num_hidden_layers"] == 1 and "num_nextn_predict_layers" not in cfg
+    mtp = load_file(str(out / "model-mtp.safetensors"))
+    assert {"mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight",
+            "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.self_attn.q_norm.weight",
+            "mtp.layers.0.mlp.gate_proj.weight", "mtp.layers.0.post_attention_layernorm.weight"} <= set(mtp)
+    assert not any("shared_head" in k or "eh_proj" in k or "embed_tokens" in k for k in mtp)
+    assert torch.equal(mtp["mtp.pre_fc_norm_hidden.weight"], ours["layers.0.hnorm.weight"])
+    _, got = read_native_export(out)
+    assert got.keys() == {k for k in ours if "shared_head.head" not in k}
+    assert all(torch.equal(got[k], ours[k]) for k in got)
+    # a trained head cannot go into a layout whose head is the target's lm_head
+    with torch.no_grad():
+        d.layers[0].shared_head.head.weight.add_(0.1)
+    save_draft(d, tmp_path / "draft_head", info)
+    with pytest.raises(ExportError, match=r"no head of its own .* layers.0.shared_head.head differs"):
+        export(tmp_path / "draft_head", "hf", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_export_rejects_bad_drafts_targets_and_formats(tmp_path):
+    from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
+    from drafthead.export import ExportError, export, main
+
+    model = tiny_llama()
+    tdir = tmp_path / "target"
+    model.save_pretrained(tdir)
+    ddir, _ = _mtp_draft_for(model, tdir, tmp_path / "draft", K=1, recursive=True)
+    # llama / qwen2 / qwen3 targets: llama.cpp has no MTP graph for them, one clear line naming the supported ones
+    with pytest.raises(ExportError, match=r"^to=gguf: llama.cpp cannot run MTP layers for a llama target .*"
+                                          r"qwen3_5/qwen3_5_text = llama.cpp qwen35") as e:
+        export(ddir, "gguf", tmp_path / "x.gguf")
+    assert "\n" not in str(e.value)
+    from transformers import Qwen2ForCausalLM
+
+    for cls, conf in ((Qwen3ForCausalLM, Qwen3Config(vocab_size=V, hidden_size=H, num_attention_heads=4,
+                                                     num_key_value_heads=2, head_dim=16, num_hidden_layers=2)),
+                      (Qwen2ForCausalLM, Qwen2Config(vocab_size=V, hidden_size=H, num_attention_heads=4,
+                                                     num_key_value_heads=2, num_hidden_layers=2))):
+        m = cls(conf)
+        folder = tmp_path / conf.model_type
+        m.save_pretrained(folder)
+        with pytest.raises(ExportError, match=rf"cannot run MTP layers for a {conf.model_type} target"):
+            export(ddir, "gguf", tmp_path / "x.gguf", target=str(folder))
+    with pytest.raises(ExportError, match=r"cannot run MTP layers for a llama target \(smollm2-135m-instruct\)"):
+        export(ddir, "gguf", tmp_path / "x.gguf", target="smollm2-135m-instruct")  # read from the GGUF's metadata
+    with pytest.raises(ExportError, match=r"MTP drafts export to=hf\|gguf .* not to='sglang'"):
+        export(ddir, "sglang", tmp_path / "x")
+    with pytest.raises(ExportError, match=r"MTP to=hf takes no option\(s\) \['verifier'\]"):
+        export(ddir, "hf", tmp_path / "x", verifier="y")
+    # an EAGLE3 draft is not an MTP draft
+    e3 = Eagle3Drafter(Eagle3Config.from_target(model.config, draft_vocab_size=V))
+    save_draft(e3, tmp_path / "eagle", {"name_or_path": str(tdir)})
+    with pytest.raises(ExportError, match=r"to=hf exports MTP drafts .* is an EAGLE3 draft"):
+        export(tmp_path / "eagle", "hf", tmp_path / "x")
+    # missing / misshapen tensors, a draft sized for another target, a target that is not there
+    sd = load_file(str(ddir / "model.safetensors"))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((ddir / "config.json").read_text())
+    save_file({k: v for k, v in sd.items() if k != "layers.0.hnorm.weight"}, str(broken / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"MTP draft tensors do not match its config: missing \['layers.0.hnorm"):
+        export(broken, "hf", tmp_path / "x")
+    save_file({**sd, "layers.0.hnorm.weight": torch.ones(H + 1)}, str(broken / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"layers.0.hnorm.weight has shape \(33,\), the config implies \(32,\)"):
+        export(broken, "hf", tmp_path / "x")
+    wide, _ = _mtp_draft_for(model, tdir, tmp_path / "wide", K=1, intermediate_size=96)
+    with pytest.raises(ExportError, match=r"does not fit target .*intermediate_size=96 \(target 64\)"):
+        export(wide, "hf", tmp_path / "x")
+    with pytest.raises(ExportError, match=r"target '/nonexistent' not found"):
+        export(ddir, "hf", tmp_path / "x", target="/nonexistent")
+    with pytest.raises(ExportError, match=r"outtype='q4' is not available for to=hf"):
+        export(ddir, "hf", tmp_path / "x", outtype="q4")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.gguf").exists()
+    # qwen3.5: llama.cpp's graph runs one MTP block
+    q = _qwen35(mtp=1)
+    q.save_pretrained(tmp_path / "qwen35")
+    qd, _ = _mtp_draft_for(q, tmp_path / "qwen35", tmp_path / "qd", K=2, recursive=False)
+    with pytest.raises(ExportError, match=r"llama.cpp's qwen35 graph runs 1 MTP layer, this draft stores 2"):
+        export(qd, "gguf", tmp_path / "q.gguf")
+    # the CLI
+    assert main([f"draft={ddir}", "to=hf", f"out={tmp_path / 'cli'}"]) == 0
+    assert json.loads((tmp_path / "cli" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+@pytest.mark.slow
+def test_export_hf_default_smollm2_target(tmp_path):
+    """The built-in GGUF target (llama): its weights as transformers dequantizes them, the nextn layout added;
+    transformers loads the result as the same model and the native loader reads the layers back."""
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.export import export
+    from drafthead.export.mtp import read_native_export
+
+    target = load_target("smollm2-135m-instruct")
+    d = tiny_mtp(target.model, K=1)
+    save_draft(d, tmp_path / "draft", target.info())
+    out = export(tmp_path / "draft", "hf", tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1 and cfg["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in cfg and (out / "tokenizer.json").is_file()
+    back = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.tensor([[1, 50, 300, 7000]])
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, target.model(x).logits, atol=1e-5, rtol=1e-5)
+    _, got = read_native_export(out)
+    ours = {k: v for k, v in d.state_dict().items() if k not in NOT_SAVED}
+    assert got.keys() == ours.keys() and all(torch.equal(got[k], ours[k]) for k in ours)

@@ -1,7 +1,11 @@
 """Export a trained draft for serving: SGLang/vLLM (`sglang`), vLLM speculators (`speculators`), llama.cpp (`gguf`).
 
+EAGLE3 drafts: `sglang`, `speculators`, `gguf` (a separate draft file). MTP drafts (`drafthead.export.mtp`):
+`hf` (the target checkpoint with the MTP layers added) and `gguf` (that checkpoint converted by llama.cpp).
+
     from drafthead.export import export, load_exported
     export("runs/x/final", to="gguf", out="draft.gguf", outtype="q8_0")
+    export("runs/mtp/final", to="hf", out="exports/target_with_mtp", target="path/to/target")
     drafter = load_exported("exports/sglang_dir", embed_weight=target_embedding)
 
 Each export validates the draft (tensor names/shapes, d2t/t2d) and the target (vocab, hidden size,
@@ -19,8 +23,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from drafthead.export import gguf, sglang, speculators
+from drafthead.export import gguf, mtp, sglang, speculators
 from drafthead.export.common import ExportError, check_state, check_target, load_source, resolve_target
+from drafthead.registry import read_draft_config
 
 EXPORTERS: dict[str, Callable[..., Path]] = {
     "sglang": sglang.export,
@@ -33,13 +38,24 @@ OPTIONS: dict[str, set[str]] = {
     "speculators": {"outtype", "num_draft_tokens", "verifier"},
     "gguf": {"outtype"},
 }
+MTP_OPTIONS = {"outtype"}  # to=hf|gguf of an MTP draft
 
 
 def export(draft_dir: str | os.PathLike, to: str, out: str | os.PathLike, target: str | None = None,
            **kw: Any) -> Path:
-    """Export the draft in `draft_dir` as format `to` to `out`; returns `out`."""
+    """Export the draft in `draft_dir` as format `to` to `out`; returns `out`. The draft's family picks the
+    exporter: MTP drafts go to `drafthead.export.mtp` (to=hf|gguf), EAGLE3 drafts to the formats above."""
+    if _family(draft_dir) == "mtp":
+        unknown = set(kw) - MTP_OPTIONS
+        if unknown:
+            raise ExportError(f"MTP to={to} takes no option(s) {sorted(unknown)}; it takes {sorted(MTP_OPTIONS)}")
+        return mtp.export(draft_dir, to, out, target=target, **{k: v for k, v in kw.items() if v is not None})
+    if to == "hf":
+        raise ExportError(f"to=hf exports MTP drafts (the target checkpoint with MTP layers); {draft_dir} is an "
+                          f"EAGLE3 draft: choose one of {sorted(EXPORTERS)}")
     if to not in EXPORTERS:
-        raise ExportError(f"unknown export format to={to!r}; choose one of {sorted(EXPORTERS)}")
+        raise ExportError(f"unknown export format to={to!r}; choose one of {sorted(EXPORTERS)} (MTP drafts: "
+                          f"{'|'.join(mtp.FORMATS)})")
     unknown = set(kw) - OPTIONS[to]
     if unknown:
         raise ExportError(f"to={to} takes no option(s) {sorted(unknown)}; it takes {sorted(OPTIONS[to])}")
@@ -48,6 +64,14 @@ def export(draft_dir: str | os.PathLike, to: str, out: str | os.PathLike, target
     tinfo = resolve_target(target, src.meta)
     check_target(src.config, tinfo)
     return EXPORTERS[to](src, tinfo, out, **kw)
+
+
+def _family(draft_dir: str | os.PathLike) -> str | None:
+    """The draft's family from its config.json; None when unreadable (`load_source` then says why)."""
+    try:
+        return read_draft_config(draft_dir).get("family")
+    except (OSError, ValueError):
+        return None
 
 
 def load_exported(path: str | os.PathLike, embed_weight: torch.Tensor | None = None,
@@ -82,7 +106,7 @@ def load_exported(path: str | os.PathLike, embed_weight: torch.Tensor | None = N
 
 
 def main(argv: list[str]) -> int:
-    """`drafthead export draft=DIR to=sglang|speculators|gguf out=PATH [target=..] [outtype=..]`."""
+    """`drafthead export draft=DIR to=sglang|speculators|gguf|hf out=PATH [target=..] [outtype=..]`."""
     from omegaconf import OmegaConf
 
     bad = [a for a in argv if "=" not in a]
@@ -92,8 +116,8 @@ def main(argv: list[str]) -> int:
     missing = [k for k in ("draft", "to", "out") if args.get(k) in (None, "")]
     if missing:
         raise ExportError(f"missing {', '.join(k + '=' for k in missing)}; usage: drafthead export draft=DIR "
-                          f"to={'|'.join(sorted(EXPORTERS))} out=PATH [target=NAME_OR_PATH] "
-                          f"[outtype=f32|f16|bf16|q8_0]")
+                          f"to={'|'.join(sorted(EXPORTERS))} (EAGLE3) | hf|gguf (MTP) out=PATH "
+                          f"[target=NAME_OR_PATH] [outtype=f32|f16|bf16|q8_0]")
     draft, to, out, target = (args.pop(k, None) for k in ("draft", "to", "out", "target"))
     kw = {k: (str(v) if k in ("outtype", "verifier") else v) for k, v in args.items()}
     path = export(str(draft), str(to), str(out), target=None if target is None else str(target), **kw)
