@@ -311,3 +311,23 @@ def test_real_smollm2_recipe_smoke(tmp_path):
     rows = [r for r in metrics(run) if "loss" in r]
     assert rows[-1]["step"] == 4 and all(r["loss"] > 0 for r in rows)
     assert len(read_jsonl(run / "heldout.jsonl")) == recipe.data.num_holdout
+
+
+@pytest.mark.slow
+def test_real_smollm2_mtp_recipe_smoke(tmp_path):
+    """mtp_smollm2 end to end on the real target: the block starts from SmolLM2's last layer, the draft
+    saves in our format and loads back for the runtime."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=mtp_smollm2", "data.max_samples=16",
+           "train.max_steps=3", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
+           "train.eval_samples=8"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
+                       env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    assert f"draft saved to {run / 'final'}" in p.stdout
+    assert "init target (last decoder layer)" in p.stdout
+    meta = read_draft_config(run / "final")
+    assert meta["family"] == "mtp" and meta["train"]["steps"] == 3 and meta["train"]["recipe"] == "mtp_smollm2"
+    rows = [r for r in metrics(run) if "loss" in r]
+    assert rows[-1]["step"] == 3 and all(r["loss"] > 0 for r in rows)
+    assert any("eval/acc_1" in r for r in metrics(run))  # K=2 depths evaluated on held-out data
