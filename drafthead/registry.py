@@ -147,10 +147,17 @@ def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None
         if own[k].shape != v.shape:
             raise ValueError(f"{path}: tensor {k} has shape {tuple(v.shape)}, config implies {tuple(own[k].shape)}")
     drafter.load_state_dict(sd, strict=False)
-    if embed_weight is not None:
-        if tuple(embed_weight.shape) != tuple(drafter.embed_tokens.weight.shape):
-            raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match the draft's "
-                             f"{tuple(drafter.embed_tokens.weight.shape)} (vocab, hidden)")
-        with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(embed_weight)
+    attach_embedding(drafter, embed_weight)
     return drafter.to(device).eval()
+
+
+def attach_embedding(drafter: torch.nn.Module, embed_weight: torch.Tensor | None,
+                     error: type[ValueError] = ValueError) -> None:
+    """Copy the target's token embedding [V, H] into the draft (drafts are saved without it)."""
+    if embed_weight is None:
+        return
+    if tuple(embed_weight.shape) != tuple(drafter.embed_tokens.weight.shape):
+        raise error(f"target embedding {tuple(embed_weight.shape)} does not match the draft's "
+                    f"{tuple(drafter.embed_tokens.weight.shape)} (vocab, hidden)")
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(embed_weight)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from drafthead.export import gguf, mtp, sglang, speculators
 from drafthead.export.common import ExportError, check_state, check_target, load_source, resolve_target
-from drafthead.registry import read_draft_config
+from drafthead.registry import attach_embedding, read_draft_config
 
 EXPORTERS: dict[str, Callable[..., Path]] = {
     "sglang": sglang.export,
@@ -96,12 +96,7 @@ def load_exported(path: str | os.PathLike, embed_weight: torch.Tensor | None = N
     check_state(state, cfg, str(path))
     drafter = Eagle3Drafter(cfg)
     drafter.load_state_dict(state, strict=False)
-    if embed_weight is not None:
-        if tuple(embed_weight.shape) != tuple(drafter.embed_tokens.weight.shape):
-            raise ExportError(f"target embedding {tuple(embed_weight.shape)} does not match the draft's "
-                              f"{tuple(drafter.embed_tokens.weight.shape)} (vocab, hidden)")
-        with torch.no_grad():
-            drafter.embed_tokens.weight.copy_(embed_weight)
+    attach_embedding(drafter, embed_weight, ExportError)
     return drafter.to(device).eval()
 
 

@@ -319,6 +319,16 @@ def llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
 SAFETENSORS_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
+def check_gguf_out(out: str | os.PathLike, outtype: str, allowed) -> Path:
+    """The checks every `to=gguf` export makes before any work: a known output type, a .gguf file name."""
+    if outtype not in allowed:
+        raise ExportError(f"outtype={outtype!r} is not a GGUF output type; choose one of {list(allowed)}")
+    out = Path(out)
+    if out.suffix != ".gguf":
+        raise ExportError(f"to=gguf writes one file: out={str(out)!r} must end in .gguf")
+    return out
+
+
 def cast_state(state: dict[str, torch.Tensor], outtype: str | None) -> dict[str, torch.Tensor]:
     """Cast float tensors for the safetensors formats (d2t/t2d keep int64/bool); None keeps dtypes."""
     if outtype is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafthead.export.common import (DraftSource, ExportError, TargetInfo, absolute_d2t, default_mode,
+from drafthead.export.common import (DraftSource, ExportError, check_gguf_out, TargetInfo, absolute_d2t, default_mode,
                                      read_gguf_metadata)
 
 ARCH = "eagle3"
@@ -159,11 +159,7 @@ def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = 
 
 def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:
     outtype = outtype or "f32"
-    if outtype not in OUTTYPES:
-        raise ExportError(f"outtype={outtype!r} is not a GGUF output type; choose one of {list(OUTTYPES)}")
-    out = Path(out)
-    if out.suffix != ".gguf":
-        raise ExportError(f"to=gguf writes one file: out={str(out)!r} must end in .gguf")
+    out = check_gguf_out(out, outtype, OUTTYPES)
     if target.gguf_path is None:
         raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target "
                           f"{target.name_or_path!r} ({target.source}) is not a GGUF file: pass target=PATH.gguf")

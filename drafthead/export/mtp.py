@@ -46,7 +46,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from drafthead.export.common import ExportError, default_mode, read_gguf_metadata
+from drafthead.export.common import ExportError, check_gguf_out, default_mode, read_gguf_metadata
 from drafthead.io import atomic_dir
 from drafthead.mtp import MtpConfig, MtpDrafter
 from drafthead.mtp_native import layout, native_prefixes, to_native, to_ours
@@ -400,11 +400,7 @@ def run_converter(hf_dir: Path, out_file: Path, outtype: str) -> None:
 
 def export_gguf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
     outtype = outtype or "auto"
-    if outtype not in GGUF_OUTTYPES:
-        raise ExportError(f"outtype={outtype!r} is not a GGUF output type; choose one of {list(GGUF_OUTTYPES)}")
-    out = Path(out)
-    if out.suffix != ".gguf":
-        raise ExportError(f"to=gguf writes one file: out={str(out)!r} must end in .gguf")
+    out = check_gguf_out(out, outtype, GGUF_OUTTYPES)
     arch = gguf_arch(tgt.model_type, tgt.name)
     n = src.config.stored_modules
     if n > GGUF_MAX_LAYERS.get(arch, n):
