@@ -291,16 +291,22 @@ def test_deepspeed_two_processes(stage, ddp_run, tiny_llama_dir, tiny_sharegpt, 
 
 # ----------------------------------------------------------------------------- (e) real SmolLM2
 
-@pytest.mark.slow
-def test_real_smollm2_recipe_smoke(tmp_path):
+def train_real_smollm2(tmp_path: Path, recipe: str, steps: int) -> tuple[Path, subprocess.CompletedProcess]:
+    """`train.py recipe=RECIPE` on 16 real conversations for `steps` steps; asserts it finished and saved."""
     run = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=eagle3_smollm2", "data.max_samples=16",
-           "train.max_steps=4", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
+    cmd = [sys.executable, str(ROOT / "train.py"), f"recipe={recipe}", "data.max_samples=16",
+           f"train.max_steps={steps}", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
            "train.eval_samples=8"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                        env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     assert f"draft saved to {run / 'final'}" in p.stdout
+    return run, p
+
+
+@pytest.mark.slow
+def test_real_smollm2_recipe_smoke(tmp_path):
+    run, p = train_real_smollm2(tmp_path, "eagle3_smollm2", steps=4)
     assert "target: smollm2-135m-instruct (30 layers, hidden 576, vocab 49152)" in p.stdout
     recipe = load_config(["recipe=eagle3_smollm2"])
     meta = read_draft_config(run / "final")
@@ -317,14 +323,7 @@ def test_real_smollm2_recipe_smoke(tmp_path):
 def test_real_smollm2_mtp_recipe_smoke(tmp_path):
     """mtp_smollm2 end to end on the real target: the block starts from SmolLM2's last layer, the draft
     saves in our format and loads back for the runtime."""
-    run = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py"), "recipe=mtp_smollm2", "data.max_samples=16",
-           "train.max_steps=3", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
-           "train.eval_samples=8"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
-                       env={**os.environ, "OMP_NUM_THREADS": "2"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
-    assert f"draft saved to {run / 'final'}" in p.stdout
+    run, p = train_real_smollm2(tmp_path, "mtp_smollm2", steps=3)
     assert "init target (last decoder layer)" in p.stdout
     meta = read_draft_config(run / "final")
     assert meta["family"] == "mtp" and meta["train"]["steps"] == 3 and meta["train"]["recipe"] == "mtp_smollm2"
