@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
 
 
 @dataclass
@@ -177,7 +177,7 @@ class Eagle3Drafter(nn.Module):
         B, T = input_ids.shape
         layer = self.midlayer
         attn = layer.self_attn
-        hidden = self.fc(aux_hidden.to(self.fc.weight.dtype))  # [B, T, H]
+        hidden = self.fuse(aux_hidden)  # [B, T, H]
         causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
         keys: list[torch.Tensor] = []
         vals: list[torch.Tensor] = []
@@ -205,10 +205,10 @@ class Eagle3Drafter(nn.Module):
 
             b_idx, t_idx = mask_i.nonzero(as_tuple=True)  # M rows with a target to match
             logits = self.lm_head(self.norm(hidden[b_idx, t_idx])).float()  # [M, N]
-            teach = teacher_logits[b_idx, t_idx + 1 + i].float()  # [M, N]
+            teach = teacher_logits[b_idx, t_idx + 1 + i]  # [M, N]
             tgt = target_argmax[b_idx, t_idx + 1 + i]  # [M]
             in_vocab = self.t2d[tgt.clamp(min=0)] & (tgt >= 0)  # target argmax representable by the draft
-            ce = -(teach.softmax(-1) * logits.log_softmax(-1)).sum(-1)  # [M]
+            ce = soft_cross_entropy(logits, teach)  # [M]
             n = max(int(b_idx.numel()), 1)
             li = (ce * in_vocab).sum() / n
             total = total + (c.step_decay ** i) * li
@@ -221,8 +221,10 @@ class Eagle3Drafter(nn.Module):
 
     # ---- inference: one pass of the decoder layer with a KV cache ------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """[.., 3*Ht] target features -> [.., H] draft hidden input."""
-        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+        """[.., 3*Ht] target features -> [.., H] draft hidden input. Under autocast the features go in as
+        they are (bf16 captures are not widened to fp32 only for autocast to narrow them again)."""
+        x = aux_hidden if torch.is_autocast_enabled(aux_hidden.device.type) else aux_hidden.to(self.fc.weight.dtype)
+        return self.fc(x)  # [.., H]
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                past_kv: tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None

@@ -23,6 +23,12 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def soft_cross_entropy(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Soft-label cross-entropy -(softmax(teacher) * log_softmax(logits)).sum(-1) -> [M] (fp32 teacher).
+    (The logsumexp(logits) - <p, logits> form measured slower on CPU.)"""
+    return -(teacher_logits.float().softmax(-1) * logits.log_softmax(-1)).sum(-1)
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()

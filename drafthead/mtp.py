@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
 
 FASTMTP_STEP_WEIGHTS = [0.51, 0.31, 0.18]  # TencentBAC/FastMTP mtp_loss_step_weights for K = 3
 ATTENTION_MODES = ("causal", "chain")
@@ -367,9 +367,9 @@ class MtpDrafter(nn.Module):
             mask_k = _shift(loss_mask, 2 + k).bool()  # [B, T]  x_{t+2+k} is an assistant token
             b_idx, t_idx = mask_k.nonzero(as_tuple=True)  # M rows with a target to match
             logits = m.shared_head.head(m.shared_head.norm(out[b_idx, t_idx])).float()  # [M, V]
-            teach = teacher_logits[b_idx, t_idx + 1 + k].float()  # [M, V]
+            teach = teacher_logits[b_idx, t_idx + 1 + k]  # [M, V]
             tgt = target_argmax[b_idx, t_idx + 1 + k]  # [M]
-            ce = -(teach.softmax(-1) * logits.log_softmax(-1)).sum(-1)  # [M]
+            ce = soft_cross_entropy(logits, teach)  # [M]
             n = max(int(b_idx.numel()), 1)
             lk = (ce * (tgt >= 0)).sum() / n
             total = total + c.step_weights[k] * lk

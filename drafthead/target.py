@@ -186,13 +186,11 @@ class TargetHead(nn.Module):
         logits, argmax = [], []
         for s in range(0, h.shape[0], self.chunk):
             hc = h[s: s + self.chunk]
-            if self.full:
-                full = hc @ self.weight.T  # [m, V]
-                argmax.append(full.argmax(-1))
-                logits.append(full.float())
-                continue
-            argmax.append((hc @ self.weight.T).argmax(-1))  # [m]
-            logits.append((hc @ draft_w.T).float())  # [m, N]
+            full = hc @ self.weight.T  # [m, V]
+            # max(-1).indices: same first-maximum index as argmax, ~3x faster for bf16 on CPU (measured)
+            argmax.append(full.max(-1).indices)  # [m]
+            # a second, small matmul beats gathering N columns out of `full` (measured on CPU)
+            logits.append(full.float() if self.full else (hc @ draft_w.T).float())  # [m, N]
         if not logits:
             return h.new_zeros(0, self.draft_ids.numel(), dtype=torch.float32), h.new_zeros(0, dtype=torch.long)
         return torch.cat(logits), torch.cat(argmax)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafthead.runtime.generate import SpeculativeGenerator
+
 from trainer import data as D
 from trainer.data import Conversation
 
@@ -379,15 +381,15 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
 
     # kill 1: the run dies inside the third generate call (2nd batch): only batch 1 is on disk
     out = tmp_path / "out.jsonl"
-    real_generate, calls = target.model.generate, []
+    real_generate, calls = SpeculativeGenerator.generate, []
 
-    def dying_generate(*a, **k):
-        calls.append(k["input_ids"].shape[0])
+    def dying_generate(self, prompts, *a, **k):
+        calls.append(len(prompts))
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real_generate(*a, **k)
+        return real_generate(self, prompts, *a, **k)
 
-    monkeypatch.setattr(target.model, "generate", dying_generate)
+    monkeypatch.setattr(SpeculativeGenerator, "generate", dying_generate)
     with pytest.raises(KeyboardInterrupt):
         D.regenerate(target, convs, str(out), max_new_tokens=6, batch_size=2, max_turns=2)
     first = D.read_jsonl(out)
@@ -396,7 +398,7 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
     # kill 2: a half-written line at the end
     with open(out, "ab") as f:
         f.write(json.dumps({"id": convs[-1].id, "messages": ref_by_id[convs[-1].id].messages}).encode()[:25])
-    monkeypatch.setattr(target.model, "generate", real_generate)
+    monkeypatch.setattr(SpeculativeGenerator, "generate", real_generate)
     capsys.readouterr()
     got = D.regenerate(target, convs, str(out), max_new_tokens=6, batch_size=2, max_turns=2)
     assert "dropped a partial last line" in capsys.readouterr().out
@@ -406,8 +408,19 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
     assert got == ref  # same answers as the uninterrupted run, in input order
 
     # a finished file: nothing left to generate
-    monkeypatch.setattr(target.model, "generate", lambda *a, **k: pytest.fail("nothing should be generated"))
+    monkeypatch.setattr(SpeculativeGenerator, "generate", lambda *a, **k: pytest.fail("nothing should be generated"))
     assert D.regenerate(target, convs, str(out), max_new_tokens=6, batch_size=2, max_turns=2) == ref
+
+
+def test_regenerate_runtime_matches_hf_generate(tmp_path, monkeypatch):
+    """Regeneration runs on drafthead's batched loop when the architecture allows; greedy answers are the
+    ones HF `generate` gives (the fallback for other architectures)."""
+    target, convs = tiny_target(), regen_convs()
+    ours = D.regenerate(target, convs, str(tmp_path / "ours.jsonl"), max_new_tokens=6, batch_size=3, max_turns=2)
+    monkeypatch.setattr(D, "_ar_runtime", lambda *a: None)
+    monkeypatch.setattr(SpeculativeGenerator, "generate", lambda *a, **k: pytest.fail("HF path expected"))
+    hf = D.regenerate(target, convs, str(tmp_path / "hf.jsonl"), max_new_tokens=6, batch_size=3, max_turns=2)
+    assert ours == hf and len(ours) == len(convs)
 
 
 # ----------------------------------------------------------------------------- real assets (slow)

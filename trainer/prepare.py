@@ -33,27 +33,32 @@ def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=
                          f"data.num_holdout={dc.num_holdout}: nothing left to train on")
     train_convs, held_convs = D.split_holdout(convs, dc.num_holdout, dc.split_seed)
     if dc.regenerate.enabled:
+        if dc.regenerate.heldout:  # every held-out prompt, whatever `fraction` says
+            held_convs = _regenerate(cfg, target, held_convs, d, run_dir, log, fraction=1.0, tag="heldout-")
         train_convs = _regenerate(cfg, target, train_convs, d, run_dir, log)
     key = f"{dc.dataset}|{target.name_or_path}|{dc.max_samples}|{dc.split_seed}|{dc.num_holdout}"
     kw = dict(max_length=dc.max_length, overlong=dc.overlong, chat_template=dc.chat_template,
               enable_thinking=dc.enable_thinking)
     train, tstats = D.tokenize_conversations(target.tokenizer, train_convs,
                                              cache_key=None if dc.regenerate.enabled else key + "|train", **kw)
-    held, hstats = D.tokenize_conversations(target.tokenizer, held_convs, cache_key=key + "|heldout", **kw)
+    held, hstats = D.tokenize_conversations(target.tokenizer, held_convs, **kw,
+                                            cache_key=None if dc.regenerate.heldout else key + "|heldout")
     if d.main:
         log(tstats.summary("train tokens"))
         log(hstats.summary("held-out tokens"))
     return Prepared(train, held, held_convs)
 
 
-def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: Path, log) -> list:
+def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: Path, log,
+                fraction: float | None = None, tag: str = "") -> list:
     """Rank 0 rewrites a fraction of the answers with the target (resumable file); others wait and read."""
     rc = cfg.data.regenerate
     rng = random.Random(cfg.seed)
-    pick = set(rng.sample(range(len(convs)), k=int(round(rc.fraction * len(convs)))))
+    frac = rc.fraction if fraction is None else fraction
+    pick = set(rng.sample(range(len(convs)), k=int(round(frac * len(convs)))))
     chosen = [c for i, c in enumerate(convs) if i in pick]
     digest = hashlib.sha256("".join(c.id for c in chosen).encode()).hexdigest()[:10]
-    out = run_dir / f"regenerated-{digest}.jsonl"
+    out = run_dir / f"regenerated-{tag}{digest}.jsonl"
     if d.main:
         log(f"regenerating {len(chosen)} of {len(convs)} conversations with the target -> {out}")
         D.regenerate(target, chosen, str(out), max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
