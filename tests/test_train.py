@@ -185,6 +185,19 @@ def test_offline_capture_with_other_layers_is_refused(tiny_llama_dir, tiny_share
 
 # ----------------------------------------------------------------------------- (g) bad inputs
 
+def test_regenerate_heldout_answers_the_heldout_prompts(tiny_llama_dir, tiny_sharegpt, tmp_path):
+    """data.regenerate.heldout: held-out answers (and so held-out accuracy) come from the target too."""
+    run = tmp_path / "run"
+    train.main(args(run, tiny_llama_dir, tiny_sharegpt, **{
+        "data.regenerate.enabled": "true", "data.regenerate.heldout": "true", "data.regenerate.fraction": 0.25,
+        "data.regenerate.max_new_tokens": 8, "data.regenerate.batch_size": 4, "train.max_steps": 1}))
+    held = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()]
+    (regen_file,) = run.glob("regenerated-heldout-*.jsonl")
+    regen = {r["id"]: r["messages"] for r in map(json.loads, regen_file.read_text().splitlines())}
+    assert len(held) == 4 and {r["id"] for r in held} == set(regen)  # every held-out prompt, whatever `fraction`
+    assert all(r["messages"] == regen[r["id"]] for r in held)
+
+
 def test_all_rows_bad_is_a_clear_error(tiny_llama_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"conversations": [{"from": "bing", "value": "x"}]}\nnot json\n'
