@@ -135,4 +135,3 @@ def test_init_from_target_copies_embedding_and_head_rows():
     before = m.lm_head.weight.clone()
     m.init_from_target(emb)  # head untouched without lm_head
     assert torch.equal(m.lm_head.weight, before)
-

@@ -32,8 +32,9 @@ def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=
         raise ValueError(f"data.dataset={dc.dataset!r} has {len(convs)} usable conversations, not more than "
                          f"data.num_holdout={dc.num_holdout}: nothing left to train on")
     train_convs, held_convs = D.split_holdout(convs, dc.num_holdout, dc.split_seed)
+    regen_held = dc.regenerate.enabled and dc.regenerate.heldout
     if dc.regenerate.enabled:
-        if dc.regenerate.heldout:  # every held-out prompt, whatever `fraction` says
+        if regen_held:  # every held-out prompt, whatever `fraction` says
             held_convs = _regenerate(cfg, target, held_convs, d, run_dir, log, fraction=1.0, tag="heldout-")
         train_convs = _regenerate(cfg, target, train_convs, d, run_dir, log)
     key = f"{dc.dataset}|{target.name_or_path}|{dc.max_samples}|{dc.split_seed}|{dc.num_holdout}"
@@ -42,7 +43,7 @@ def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=
     train, tstats = D.tokenize_conversations(target.tokenizer, train_convs,
                                              cache_key=None if dc.regenerate.enabled else key + "|train", **kw)
     held, hstats = D.tokenize_conversations(target.tokenizer, held_convs, **kw,
-                                            cache_key=None if dc.regenerate.heldout else key + "|heldout")
+                                            cache_key=None if regen_held else key + "|heldout")
     if d.main:
         log(tstats.summary("train tokens"))
         log(hstats.summary("held-out tokens"))
