@@ -20,6 +20,7 @@ from eval.datasets import DATASETS, load_eval_dataset
 from eval.report import build_report, machine_info, write_report
 
 MODES = ("ar", "chain", "tree", "ngram")
+DTYPES = ("auto", "float32", "bfloat16")
 NONE_WORDS = ("none", "None", "null", "")
 
 
@@ -45,6 +46,7 @@ class EvalConfig:
     seed: int = 0
     batch_size: int = 1
     device: str = "auto"  # auto = cuda if available, else cpu
+    dtype: str = "auto"  # target and draft weights: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     threads: int | None = None  # torch CPU threads (default: torch's)
     progress: bool = True
 
@@ -100,6 +102,8 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
     for name, value, ok, rule in checks:
         if not ok:
             raise ValueError(f"{name} must be {rule}, got {value}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {cfg.dtype!r}; valid: {', '.join(DTYPES)}")
     if cfg.draft and not models_given and not (Path(cfg.draft) / "config.json").is_file():
         raise FileNotFoundError(f"draft={cfg.draft} is not a draft directory (no config.json); pass "
                                 f"<run_dir>/final or draft=none")
@@ -112,8 +116,10 @@ def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def load_models(draft: str | None, target: str | None, gguf_file: str | None, device: str) -> tuple[Any, Any]:
-    """The target (given, or named by the draft's config.json) and the drafter on top of its embedding."""
+def load_models(draft: str | None, target: str | None, gguf_file: str | None, device: str,
+                dtype: str = "auto") -> tuple[Any, Any]:
+    """The target (given, or named by the draft's config.json) and the drafter on top of its embedding,
+    both in `dtype` (the drafter follows the target's)."""
     from drafthead.registry import load_draft, read_draft_config
     from drafthead.target import load_target
 
@@ -121,9 +127,9 @@ def load_models(draft: str | None, target: str | None, gguf_file: str | None, de
         meta = read_draft_config(draft)
         if target is None:
             target, gguf_file = meta["target"]["name_or_path"], gguf_file or meta["target"].get("gguf_file")
-    tgt = load_target(target, gguf_file, device=device)
-    drafter = (load_draft(draft, embed_weight=tgt.model.get_input_embeddings().weight, device=device)
-               if draft else None)
+    tgt = load_target(target, gguf_file, dtype=dtype, device=device)
+    weight = tgt.model.get_input_embeddings().weight
+    drafter = load_draft(draft, embed_weight=weight, device=device).to(weight.dtype) if draft else None
     return tgt, drafter
 
 
@@ -152,7 +158,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
         torch.set_num_threads(cfg.threads)
     if target is None:
         print(f"loading target {cfg.target or '(from the draft config)'} and draft {cfg.draft} on {device} ...")
-        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device)
+        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype)
     if generator is None:
         from drafthead.runtime import SpeculativeGenerator
         generator = SpeculativeGenerator(target, drafter, device=device)
@@ -172,6 +178,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "draft": str(Path(cfg.draft).resolve()) if cfg.draft else None,
                 "target": getattr(target, "name_or_path", None), "gguf_file": getattr(target, "gguf_file", None),
                 "drafter_family": getattr(drafter, "family", None) if drafter is not None else None,
+                "dtype": str(target.model.dtype).removeprefix("torch."),
                 "machine": machine_info(device)}
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
                           num_prompts=len(samples))

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from drafthead.io import atomic_write_json
-from eval import load_models, parse_kv, resolve_device
+from eval import DTYPES, load_models, parse_kv, resolve_device
 from eval.datasets import DATASETS, chat_prompt, load_eval_dataset
 from eval.report import machine_info
 
@@ -38,6 +38,7 @@ class BenchConfig:
     max_prompts: int = 8  # first user turn of each
     max_new_tokens: int = 128
     num_draft_tokens: int = 4  # chain and n-gram
+    tree_num_draft_tokens: int | None = None  # tree node budget (default: num_draft_tokens)
     depth: int = 5  # tree
     topk: int = 4  # tree
     ngram_n: int = 3
@@ -46,6 +47,7 @@ class BenchConfig:
     verify_prefix: int = 256  # cached prefix length of the verify-cost curve
     verify_repeats: int = 5
     device: str = "auto"
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; HF generate runs the same weights
     threads: int | None = None
     out: str | None = None  # bench.json path, or a directory to write bench.json into
     progress: bool = True
@@ -54,12 +56,16 @@ class BenchConfig:
 def validate(cfg: BenchConfig) -> None:
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(DATASETS)}")
+    if cfg.tree_num_draft_tokens is not None and cfg.tree_num_draft_tokens <= 0:
+        raise ValueError(f"tree_num_draft_tokens must be > 0, got {cfg.tree_num_draft_tokens}")
     for name in ("max_prompts", "max_new_tokens", "num_draft_tokens", "depth", "topk", "ngram_n",
                  "prompt_lookup_num_tokens", "verify_prefix", "verify_repeats"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     if not cfg.verify_sizes or min(cfg.verify_sizes) <= 0:
         raise ValueError(f"verify_sizes must be positive token counts, got {cfg.verify_sizes}")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {cfg.dtype!r}; valid: {', '.join(DTYPES)}")
     if cfg.draft and not (Path(cfg.draft) / "config.json").is_file():
         raise FileNotFoundError(f"draft={cfg.draft} is not a draft directory (no config.json)")
     if not cfg.draft and not cfg.target:
@@ -183,7 +189,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if target is None:
-        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device)
+        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype)
     generator = generator or SpeculativeGenerator(target, drafter, device=device)
     tok = target.tokenizer
     prompts = [chat_prompt(tok, [{"role": "user", "content": s.turns[0]}]) for s in samples]
@@ -199,10 +205,11 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
             generator, SpecConfig(mode="ngram", **base)),
     }
     chain = f"draft chain k={cfg.num_draft_tokens} (ours)"
-    tree = f"draft tree depth={cfg.depth} topk={cfg.topk} (ours)"
+    budget = cfg.tree_num_draft_tokens or cfg.num_draft_tokens
+    tree = f"draft tree depth={cfg.depth} topk={cfg.topk} nodes={budget} (ours)"
     if drafter is not None:
         methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base))
-        methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base))
+        methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **{**base, "num_draft_tokens": budget}))
     else:
         methods[chain] = methods[tree] = "skipped: draft=none"
 
@@ -228,6 +235,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     hf_curve = hf_verify_cost_curve(target.model, prefix, sizes, cfg.verify_repeats, device)
 
     result = {"settings": {**dataclasses.asdict(cfg), "target": getattr(target, "name_or_path", None),
+                           "weights_dtype": str(target.model.dtype).removeprefix("torch."),
                            "num_prompts": len(prompts), "machine": machine_info(device)},
               "methods": {n: {k: v for k, v in r.items() if k != "outputs"} for n, r in rows.items()},
               "verify_cost": curve,

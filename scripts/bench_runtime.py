@@ -2,6 +2,7 @@
 
     python scripts/bench_runtime.py                      # SmolLM2-135M (built-in asset), fp32, CPU
     python scripts/bench_runtime.py --threads 1 --new 64 --reps 3
+    python scripts/bench_runtime.py --dtype bfloat16             # bf16 target (AMX on recent Xeons)
 
 Prints (1) greedy tokens/s of HF `model.generate`, of our "ar" loop and of prompt lookup ("ngram", no
 trained drafter) on the same prompt and number of new tokens, in interleaved repetitions so that load on a
@@ -68,16 +69,18 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before the verify block")
+    ap.add_argument("--dtype", default="auto", help="target dtype: auto (fp32 on CPU), float32, bfloat16")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=args.dtype)
     tok = target.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                      tokenize=True)
     prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
     gen = SpeculativeGenerator(target)
-    res = {"threads": torch.get_num_threads(), "prompt_tokens": len(prompt)}
+    res = {"threads": torch.get_num_threads(), "prompt_tokens": len(prompt),
+           "dtype": str(next(target.model.parameters()).dtype)}
     res.update(bench_generate(target, gen, prompt, args.new, args.reps))
     tm = TargetModel(target.model, aux_layer_ids=[2, target.num_layers // 2, target.num_layers - 3])
     res["verify_ms"] = bench_verify(tm, args.prefix, [1, 2, 4, 8, 16, 32, 64], args.reps)

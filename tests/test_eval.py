@@ -105,6 +105,13 @@ def test_bad_dataset_and_sizes_are_errors_naming_the_problem(tmp_path):
         validate(EvalConfig(**base, max_new_tokens=-3))
     with pytest.raises(ValueError, match="max_prompts must be > 0"):
         validate(EvalConfig(**base, max_prompts=-1))
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'; valid: auto, float32, bfloat16"):
+        validate(EvalConfig(**base, dtype="fp8"))
+    from eval.bench import BenchConfig, validate as validate_bench
+    with pytest.raises(ValueError, match="unknown dtype 'half'"):
+        validate_bench(BenchConfig(target="t", dtype="half"))
+    with pytest.raises(ValueError, match="tree_num_draft_tokens must be > 0, got 0"):
+        validate_bench(BenchConfig(target="t", tree_num_draft_tokens=0))
     with pytest.raises(ValueError, match="mode=chain needs a trained draft"):
         validate(EvalConfig(draft=None, target="x", mode="chain"))
     with pytest.raises(ValueError, match="draft=none needs target="):

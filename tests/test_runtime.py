@@ -236,6 +236,65 @@ def test_greedy_is_lossless(arch: str, drafter_kind: str, llama: Target, qwen3: 
             assert r.stopped_eos == (r.tokens[-1] == EOS)
 
 
+def test_bf16_verify_block_is_bitwise_single_steps() -> None:
+    """Batch invariance in bf16: a token's logits are the same bits whether it is decoded alone or inside
+    a verify block of any size, so greedy speculative output can equal AR output exactly."""
+    target = tiny_target("llama", dtype=torch.bfloat16, seed=9, hidden_size=64, intermediate_size=128)
+    tm = TargetModel(target.model, aux_layer_ids=[0, 1, 1])
+    g = torch.Generator().manual_seed(0)
+    prefix, new = torch.randint(3, 128, (2, 11), generator=g), torch.randint(3, 128, (2, 9), generator=g)
+
+    def run(chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, lens = tm.new_cache(2, 40), torch.zeros(2, dtype=torch.long)
+        tm.forward(cache, prefix, lens)
+        lens, out, i = lens + prefix.shape[1], [], 0
+        for c in chunks:
+            out.append(tm.forward(cache, new[:, i: i + c], lens, capture=True))
+            lens, i = lens + c, i + c
+        return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
+
+    logits, aux = run([1] * 9)
+    for chunks in ([9], [2, 3, 4], [5, 1, 3]):
+        lg, ax = run(chunks)
+        assert torch.equal(lg, logits), chunks
+        assert torch.equal(ax, aux), chunks
+
+
+def test_attend_is_invariant_to_query_count_on_real_case() -> None:
+    """Real SmolLM2 bf16 activations (layer 8) on which CPU SDPA's q_len-1 kernel rounds one ulp away from
+    its block kernel; `attend` must give the lone query the same bits as the same query inside a block."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from drafthead.runtime.model import attend, attention_mask
+
+    d = load_file(str(Path(__file__).parent / "assets" / "sdpa_q1_case.safetensors"))
+    q, k, v, lens = d["q"], d["k"], d["v"], d["lens"]  # [1, 9, 8, 64], [1, 3, 112, 64] x2, [1]
+    S = k.shape[2]
+    block = attend(q, k, v, attention_mask(lens, 8, S, None), 0.125)
+    for T in (1, 2, 5):
+        assert torch.equal(attend(q[:, :, :T], k, v, attention_mask(lens, T, S, None), 0.125), block[:, :, :T]), T
+    raw = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=attention_mask(lens, 1, S, None),
+                                                           scale=0.125, enable_gqa=True)
+    assert not torch.equal(raw, block[:, :, :1]), "SDPA's q_len-1 kernel now matches: the case no longer tests attend"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_is_lossless_bf16(arch: str) -> None:
+    """bf16 target: every setting reproduces the runtime's own bf16 AR output token for token."""
+    target = tiny_target(arch, dtype=torch.bfloat16, seed=4, head_scale=4.0)
+    gen = SpeculativeGenerator(target, random_drafter(target))
+    oracle = SpeculativeGenerator(target, OracleDrafter(target, one_hot=True))
+    prompts = random_prompts(4, 128, seed=17)
+    want = [r.tokens for r in gen.generate(prompts, 24, SpecConfig(mode="ar"))]
+    for spec in SETTINGS[:-1]:
+        assert [r.tokens for r in gen.generate(prompts, 24, spec)] == want, spec
+    got = oracle.generate(prompts, 24, SpecConfig(mode="chain", num_draft_tokens=4))
+    assert [r.tokens for r in got] == want
+    assert sum(sum(r.accept_lens) for r in got) > 0  # the oracle's drafts were verified, not skipped
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_oracle_chain_accepts_everything(k: int, llama: Target) -> None:
     gen = SpeculativeGenerator(llama, OracleDrafter(llama))

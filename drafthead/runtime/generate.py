@@ -28,6 +28,10 @@ from drafthead.target import Target
 MODES = ("ar", "chain", "tree", "ngram")
 EMA_ALPHA = 0.2  # weight of the newest round in the acceptance EMA (SGLang's adaptive default)
 NGRAM_STACK_FACTOR = 2  # a stacked n-gram chain may be this many times longer than the drafter's proposal
+# KV slots kept past the longest request. Attention spans the whole cache (batch invariance, see
+# runtime/model.py), so AR and speculative runs must size it alike: with verify blocks of at most this
+# many nodes they do, and their greedy outputs are then bitwise equal in bf16.
+CACHE_SLACK = 64
 
 
 @dataclass
@@ -179,7 +183,7 @@ class _Session:
             self.ngram_cap = spec.num_draft_tokens if spec.mode == "ngram" else 0
         self.max_nodes = max(self.max_nodes, self.ngram_cap if self.use_ngram else 0)
         longest = max(len(r.prompt) + r.limit for r in reqs)
-        self.capacity = longest + self.max_nodes + 2
+        self.capacity = longest + max(self.max_nodes, CACHE_SLACK) + 2
         self.cache = g.model.new_cache(B, self.capacity)
         self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
         self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached

@@ -89,8 +89,18 @@ class TargetModel:
         offs = torch.arange(T, device=input_ids.device)
         positions = lens[:, None] + (offs if depth is None else depth)  # [B, T]
         start = int(lens[0]) if bool((lens == lens[0]).all()) else None  # all requests aligned: slice writes
-        S = int(lens.max()) + T  # keys this call can see
-        mask = None if (T == 1 and start is not None) else attention_mask(lens, T, S, tree_mask)  # [B,1,T,S]
+        # Batch invariance: a token's logits must not depend on how many tokens share its forward, or a
+        # near-tie argmax can flip between a verify block and plain decoding. bf16 matmuls (oneDNN) are
+        # row-invariant; CPU SDPA is too, given the same key length and more than one query (q_len 1 takes
+        # a separate decode kernel). So attention always spans the whole cache (masked) and a lone query
+        # is doubled (`attend`): in bf16, speculative greedy output then equals AR output bit for bit.
+        # (fp32 matmuls switch kernels by row count; there equality holds up to rounding.)
+        S = cache.shape[2]
+        if int(lens.max()) + T > S:
+            raise ValueError(f"KV cache overflow: {int(lens.max())} cached + {T} new tokens > capacity {S}")
+        mask = attention_mask(lens, T, S, tree_mask)  # [B, 1, T, S]
+        if T == 1:
+            mask = mask.repeat(1, 1, 2, 1)  # [B, 1, 2, S]: `attend` doubles a lone query; built once, not per layer
         slots = lens[:, None] + offs  # [B, T]
 
         h = self.base.embed_tokens(input_ids)  # [B, T, H]
@@ -128,10 +138,24 @@ class TargetModel:
         ck, cv = self.layer_kv(cache, i)
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
-        o = F.scaled_dot_product_attention(q, ck[:, :, :S], cv[:, :, :S], attn_mask=mask, scale=attn.scaling,
-                                           enable_gqa=True)  # [B, h, T, D]
+        o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling)  # [B, h, T, D]
         h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         return h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA with GQA whose per-query result does not depend on the number of queries T.
+
+    q [B, h, T, D], k/v [B, kvh, S, D], mask [B, 1, T, S] (or [B, 1, 2, S] when T = 1) -> [B, h, T, D].
+    A lone query is sent as two copies: CPU SDPA has a separate q_len-1 kernel that can round differently
+    (by one bf16 ulp, on real SmolLM2 activations; tests/assets/sdpa_q1_case.safetensors), which is enough
+    to flip a near-tie argmax.
+    """
+    T = q.shape[2]
+    if T == 1:  # copies, not stride-0 views: those take the q_len-1 kernel too
+        q = q.repeat(1, 1, 2, 1)
+        mask = mask if mask.shape[2] == 2 else mask.repeat(1, 1, 2, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :T]
 
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
