@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before the verify block")
-    ap.add_argument("--dtype", default="auto", help="target dtype: auto (fp32 on CPU), float32, bfloat16")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="target dtype (auto: fp32 on CPU, bf16 on CUDA)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
