@@ -209,9 +209,10 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     tree = f"draft tree depth={cfg.depth} topk={cfg.topk} nodes={budget} (ours)"
     if drafter is not None:
         methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base))
+        methods[chain + " + ngram"] = runtime_method(generator, SpecConfig(mode="chain", ngram=True, **base))
         methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **{**base, "num_draft_tokens": budget}))
     else:
-        methods[chain] = methods[tree] = "skipped: draft=none"
+        methods[chain] = methods[chain + " + ngram"] = methods[tree] = "skipped: draft=none"
 
     rows: dict[str, dict] = {}
     for name, run in methods.items():

@@ -320,7 +320,7 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
                       verify_repeats=2, out=str(tmp_path / "bench.json"), progress=False, device="cpu")
     r = run_bench(cfg, target=target, drafter=drafter)
     on_disk = json.loads((tmp_path / "bench.json").read_text())
-    assert on_disk["methods"].keys() == r["methods"].keys() and len(r["methods"]) == 6
+    assert on_disk["methods"].keys() == r["methods"].keys() and len(r["methods"]) == 7
     for name, m in r["methods"].items():
         assert m["outputs_equal_our_ar"] == 2, name  # greedy everywhere: same tokens as our AR, HF included
         assert m["generated_tokens"] > 0 and m["tokens_per_s"] > 0
