@@ -102,14 +102,19 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
     for name, value, ok, rule in checks:
         if not ok:
             raise ValueError(f"{name} must be {rule}, got {value}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {cfg.dtype!r}; valid: {', '.join(DTYPES)}")
+    check_dtype(cfg.dtype)
     if cfg.draft and not models_given and not (Path(cfg.draft) / "config.json").is_file():
         raise FileNotFoundError(f"draft={cfg.draft} is not a draft directory (no config.json); pass "
                                 f"<run_dir>/final or draft=none")
     if not cfg.draft and not cfg.target and not models_given:
         raise ValueError("draft=none needs target=NAME_OR_PATH (there is no draft config to read it from)")
     resolve_mode(cfg, has_draft)
+
+
+def check_dtype(dtype: str) -> None:
+    """The `dtype` key of eval and bench, checked before anything loads."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
 
 
 def resolve_device(device: str) -> str:

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from drafthead.io import atomic_write_json
-from eval import DTYPES, load_models, parse_kv, resolve_device
+from eval import check_dtype, load_models, parse_kv, resolve_device
 from eval.datasets import DATASETS, chat_prompt, load_eval_dataset
 from eval.report import machine_info
 
@@ -64,8 +64,7 @@ def validate(cfg: BenchConfig) -> None:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     if not cfg.verify_sizes or min(cfg.verify_sizes) <= 0:
         raise ValueError(f"verify_sizes must be positive token counts, got {cfg.verify_sizes}")
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {cfg.dtype!r}; valid: {', '.join(DTYPES)}")
+    check_dtype(cfg.dtype)
     if cfg.draft and not (Path(cfg.draft) / "config.json").is_file():
         raise FileNotFoundError(f"draft={cfg.draft} is not a draft directory (no config.json)")
     if not cfg.draft and not cfg.target:

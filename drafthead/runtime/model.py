@@ -99,8 +99,6 @@ class TargetModel:
         if int(lens.max()) + T > S:
             raise ValueError(f"KV cache overflow: {int(lens.max())} cached + {T} new tokens > capacity {S}")
         mask = attention_mask(lens, T, S, tree_mask)  # [B, 1, T, S]
-        if T == 1:
-            mask = mask.repeat(1, 1, 2, 1)  # [B, 1, 2, S]: `attend` doubles a lone query; built once, not per layer
         slots = lens[:, None] + offs  # [B, T]
 
         h = self.base.embed_tokens(input_ids)  # [B, T, H]
@@ -146,15 +144,13 @@ class TargetModel:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """SDPA with GQA whose per-query result does not depend on the number of queries T.
 
-    q [B, h, T, D], k/v [B, kvh, S, D], mask [B, 1, T, S] (or [B, 1, 2, S] when T = 1) -> [B, h, T, D].
-    A lone query is sent as two copies: CPU SDPA has a separate q_len-1 kernel that can round differently
-    (by one bf16 ulp, on real SmolLM2 activations; tests/assets/sdpa_q1_case.safetensors), which is enough
-    to flip a near-tie argmax.
+    q [B, h, T, D], k/v [B, kvh, S, D], mask [B, 1, T, S] -> [B, h, T, D]. A lone query is sent as two
+    copies: CPU SDPA has a separate q_len-1 kernel that can round differently (by one bf16 ulp, on real
+    SmolLM2 activations; tests/assets/sdpa_q1_case.safetensors), which is enough to flip a near-tie argmax.
     """
     T = q.shape[2]
-    if T == 1:  # copies, not stride-0 views: those take the q_len-1 kernel too
-        q = q.repeat(1, 1, 2, 1)
-        mask = mask if mask.shape[2] == 2 else mask.repeat(1, 1, 2, 1)
+    if T == 1:  # q as a copy (a stride-0 view takes the q_len-1 kernel too); the mask can stay a view
+        q, mask = q.repeat(1, 1, 2, 1), mask.expand(-1, -1, 2, -1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :T]
 
 
