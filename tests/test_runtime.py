@@ -260,6 +260,13 @@ def test_bf16_verify_block_is_bitwise_single_steps() -> None:
         assert torch.equal(ax, aux), chunks
 
 
+def test_kv_cache_overflow_is_a_named_error(llama: Target) -> None:
+    tm = TargetModel(llama.model)
+    cache = tm.new_cache(1, 8)
+    with pytest.raises(ValueError, match=r"KV cache overflow: 6 cached \+ 3 new tokens > capacity 8"):
+        tm.forward(cache, torch.tensor([[5, 6, 7]]), torch.tensor([6]))
+
+
 def test_attend_is_invariant_to_query_count_on_real_case() -> None:
     """Real SmolLM2 bf16 activations (layer 8) on which CPU SDPA's q_len-1 kernel rounds one ulp away from
     its block kernel; `attend` must give the lone query the same bits as the same query inside a block."""
