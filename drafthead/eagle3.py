@@ -41,6 +41,7 @@ class Eagle3Config:
     norm_before_residual: bool = False  # residual = fc output (SpecForge/SGLang), not its norm
     ttt_steps: int = 7
     step_decay: float = 0.8
+    feature_loss_weight: float = 0.0  # > 0: also regress norm(draft hidden) onto the target's last hidden (EAGLE-1)
 
     @staticmethod
     def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -159,8 +160,8 @@ class Eagle3Drafter(nn.Module):
 
     # ---- training: unrolled training-time test -------------------------------------------------
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_logits: torch.Tensor,
-                target_argmax: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int | None = None
-                ) -> dict[str, torch.Tensor]:
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int | None = None,
+                feature_target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """TTT loss.
 
         Args:
@@ -170,6 +171,9 @@ class Eagle3Drafter(nn.Module):
                 (predicting x_{j+1}); only rows j with loss_mask[j+1] are read.
             target_argmax: [B, T] full-vocab target argmax at position j (-1 where unknown).
             loss_mask: [B, T] 1 on assistant tokens.
+            feature_target: [B, T, H] the target's last hidden state after its final norm (what its lm_head
+                reads), needed when `feature_loss_weight` > 0: step i at row t then also regresses
+                norm(draft hidden) onto row t+1+i (smooth L1), a dense signal per token as in EAGLE-1.
         Returns dict with `loss` (scalar), and per step `correct`, `count`, `step_loss` ([K] each).
         """
         c = self.config
@@ -204,13 +208,20 @@ class Eagle3Drafter(nn.Module):
             hidden = layer.post(o, residual)  # [B, T, H]
 
             b_idx, t_idx = mask_i.nonzero(as_tuple=True)  # M rows with a target to match
-            logits = self.lm_head(self.norm(hidden[b_idx, t_idx])).float()  # [M, N]
+            normed = self.norm(hidden[b_idx, t_idx])  # [M, H]
+            logits = self.lm_head(normed).float()  # [M, N]
             teach = teacher_logits[b_idx, t_idx + 1 + i]  # [M, N]
             tgt = target_argmax[b_idx, t_idx + 1 + i]  # [M]
             in_vocab = self.t2d[tgt.clamp(min=0)] & (tgt >= 0)  # target argmax representable by the draft
             ce = soft_cross_entropy(logits, teach)  # [M]
             n = max(int(b_idx.numel()), 1)
             li = (ce * in_vocab).sum() / n
+            if c.feature_loss_weight > 0:
+                if feature_target is None:
+                    raise ValueError("feature_loss_weight > 0 needs feature_target (the target's last hidden)")
+                want = feature_target[b_idx, t_idx + 1 + i].float()  # [M, H]
+                li = li + c.feature_loss_weight * F.smooth_l1_loss(normed.float(), want, reduction="sum") / (
+                    n * want.shape[-1])
             total = total + (c.step_decay ** i) * li
             step_loss.append(li.detach())
             pred = self.draft_to_target(logits.argmax(-1))

@@ -135,3 +135,28 @@ def test_init_from_target_copies_embedding_and_head_rows():
     before = m.lm_head.weight.clone()
     m.init_from_target(emb)  # head untouched without lm_head
     assert torch.equal(m.lm_head.weight, before)
+
+
+def test_feature_loss_adds_the_regression_of_the_next_targets_hidden():
+    """feature_loss_weight > 0: step i also pulls norm(draft hidden at t) towards the target's hidden at
+    t+1+i (smooth L1, mean over rows and channels). Step 0's term is checked against the inference path's
+    hidden state; omitting the target is an error."""
+    import torch.nn.functional as F
+
+    m = tiny_drafter(ttt=1)
+    ids, aux, teacher, tgt, mask = _batch(m, B=2, T=10)
+    last = torch.randn(2, 10, H)
+    base = m(ids, aux, teacher, tgt, mask)["loss"]
+    m.config.feature_loss_weight = 0.5
+    with pytest.raises(ValueError, match="needs feature_target"):
+        m(ids, aux, teacher, tgt, mask)
+    out = m(ids, aux, teacher, tgt, mask, feature_target=last)
+    with torch.no_grad():  # step 0 = one causal decode pass over (x_{t+1}, f_t)
+        pos = torch.arange(10).expand(2, 10)
+        _, hidden, _ = m.decode(_shift(ids, 1), m.fuse(aux), pos)
+    b, t = _shift(mask, 2).bool().nonzero(as_tuple=True)
+    want = 0.5 * F.smooth_l1_loss(m.norm(hidden[b, t]), last[b, t + 1], reduction="sum") / (b.numel() * H)
+    assert torch.allclose(out["loss"] - base, want, atol=1e-5)
+    m.zero_grad()
+    out["loss"].backward()
+    assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() > 0

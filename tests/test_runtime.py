@@ -260,6 +260,25 @@ def test_bf16_verify_block_is_bitwise_single_steps() -> None:
         assert torch.equal(ax, aux), chunks
 
 
+def test_bf16_projections_are_row_invariant_beyond_32_rows() -> None:
+    """oneDNN's bf16 matmul changes a row's bits once a call has more than 32 rows (SmolLM2's [1536, 576]
+    MLP shape here), e.g. a batch of 4 verifying 10 nodes; `TargetModel.linear` chunks rows so that each
+    row equals the row computed alone. The tiny test models above never reach that size."""
+    from drafthead.runtime.model import INVARIANT_ROWS
+
+    tm = TargetModel(tiny_target("llama", dtype=torch.bfloat16).model)
+    torch.manual_seed(0)
+    proj = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    x = torch.randn(4, 25, 576).to(torch.bfloat16)  # [B, T, H]: 100 rows
+    with torch.no_grad():
+        single = torch.cat([proj(x.reshape(100, 576)[i: i + 1]) for i in range(100)]).view(4, 25, -1)
+        for T in (8, 9, 10, 25):  # 32, 36, 40, 100 rows
+            assert torch.equal(tm.linear(proj, x[:, :T]), single[:, :T]), T
+        raw = proj(x[:, :10])
+    assert INVARIANT_ROWS == 32
+    assert not torch.equal(raw, single[:, :10]), "oneDNN is now row-invariant at 40 rows: the case no longer tests"
+
+
 def test_kv_cache_overflow_is_a_named_error(llama: Target) -> None:
     tm = TargetModel(llama.model)
     cache = tm.new_cache(1, 8)
@@ -302,6 +321,11 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
     got = oracle.generate(prompts, 24, SpecConfig(mode="chain", num_draft_tokens=4))
     assert [r.tokens for r in got] == want
     assert sum(sum(r.accept_lens) for r in got) > 0  # the oracle's drafts were verified, not skipped
+    # an fp32 draft on the bf16 target (eval's draft_dtype=auto on CPU): bf16 features in, fp32 drafting
+    gen32 = SpeculativeGenerator(target, random_drafter(target).float())
+    for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="tree", num_draft_tokens=6, depth=3),
+                 SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, batch_size=2)):
+        assert [r.tokens for r in gen32.generate(prompts, 24, spec)] == want, spec
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
@@ -536,6 +560,31 @@ def test_drafter_target_mismatch_errors(llama: Target) -> None:
         SpeculativeGenerator(llama, d)
 
 
+def test_stacked_ngram_skips_drafting_when_its_chain_wins_everywhere(llama: Target, monkeypatch) -> None:
+    """chain + n-gram: a round where every request's n-gram chain is longer than the draft chain runs no
+    draft steps (their proposal would be discarded); without n-gram matches every round drafts. The
+    output is the AR output either way."""
+    from drafthead.runtime import draft as D
+    from drafthead.runtime import generate as G
+
+    calls = []
+    real = D.DraftRunner.chain
+    monkeypatch.setattr(D.DraftRunner, "chain", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    gen = SpeculativeGenerator(llama, random_drafter(llama))
+    prompts = random_prompts(3, 128, seed=5)
+    want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+    spec = SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, batch_size=2)
+    for lookup, drafts in ((lambda history, n, cap: [7] * cap, False),  # always a 2k-token match: it wins
+                           (lambda history, n, cap: [7] * 2, True),  # as long as the draft chain: the draft wins
+                           (lambda history, n, cap: [], True)):  # no match
+        monkeypatch.setattr(G, "ngram_lookup", lookup)
+        calls.clear()
+        got = gen.generate(prompts, 16, spec)
+        assert [r.tokens for r in got] == want
+        rounds = max(got[0].num_rounds, got[1].num_rounds) + got[2].num_rounds  # batches [0, 1] and [2]
+        assert len(calls) == (rounds if drafts else 0)
+
+
 # ---- real target --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_speculative_matches_ar() -> None:
@@ -564,3 +613,29 @@ def test_smollm2_speculative_matches_ar() -> None:
     spec = SpecConfig(mode="tree", num_draft_tokens=8, depth=3, topk=2, ngram=True)
     (tree,) = SpeculativeGenerator(target, drafter).generate([prompt], 24, spec)
     assert tree.tokens == ar.tokens
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_batched_verify_block_is_bitwise() -> None:
+    """The real target in bf16: 4 requests verifying 10 nodes each (40 rows per projection) give the same
+    logits and aux features, bit for bit, as the same tokens decoded one at a time (before row chunking no
+    row matched: max logit difference 0.72)."""
+    from drafthead.target import load_target
+
+    target = load_target("smollm2-135m-instruct", dtype="bfloat16")
+    tm = TargetModel(target.model, [2, 15, 27])
+    g = torch.Generator().manual_seed(0)
+    prefix, new = torch.randint(0, 49152, (4, 100), generator=g), torch.randint(0, 49152, (4, 10), generator=g)
+
+    def run(sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cache, lens = tm.new_cache(4, 200), torch.zeros(4, dtype=torch.long)
+        tm.forward(cache, prefix, lens)
+        lens, out, i = lens + 100, [], 0
+        for n in sizes:
+            out.append(tm.forward(cache, new[:, i: i + n], lens, capture=True))
+            lens, i = lens + n, i + n
+        return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
+
+    logits, aux = run([1] * 10)
+    block_logits, block_aux = run([10])
+    assert torch.equal(block_logits, logits) and torch.equal(block_aux, aux)

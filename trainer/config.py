@@ -69,6 +69,7 @@ class DrafterConfig:
     draft_vocab_size: int = 32000  # eagle3 (MTP predicts over the full target vocab)
     ttt_steps: int = 7  # eagle3
     step_decay: float = 0.8  # eagle3
+    feature_loss_weight: float = 0.0  # eagle3: > 0 adds EAGLE-1's regression of the draft hidden onto the target's
     intermediate_size: int | None = None  # null = the target's
     num_modules: int = 1  # mtp: depths K trained (predicting x_{t+2} .. x_{t+1+K})
     recursive: bool = True  # mtp: one module applied K times (FastMTP, vLLM) vs K modules (DeepSeek-V3)
@@ -207,6 +208,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'data.max_length': {cfg.data.max_length} (must be >= 8)")
     if cfg.drafter.ttt_steps < 1:
         raise ConfigError("bad value for 'drafter.ttt_steps': must be >= 1")
+    if cfg.drafter.feature_loss_weight < 0:
+        raise ConfigError(f"bad value for 'drafter.feature_loss_weight': {cfg.drafter.feature_loss_weight} "
+                          "(must be >= 0)")
     from drafthead.registry import DRAFTERS, INITS
 
     dc = cfg.drafter

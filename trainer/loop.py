@@ -145,6 +145,8 @@ def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead, drafter: nn
     """Forward kwargs: EAGLE3 reads the aux features, MTP (`drafter.inputs == ("last",)`) the last hidden."""
     teacher, tgt = teacher_targets(head, batch["last"], batch["loss_mask"])
     feats = {FEATURE_ARGS[k]: batch[k] for k in getattr(drafter, "inputs", ("aux",))}
+    if getattr(getattr(drafter, "config", None), "feature_loss_weight", 0.0) > 0:
+        feats["feature_target"] = batch["last"]  # [B, T, H] the regression target
     return {"input_ids": batch["input_ids"], **feats, "teacher_logits": teacher,
             "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
 

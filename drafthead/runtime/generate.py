@@ -306,8 +306,12 @@ class _Session:
 
     def propose(self) -> Proposal:
         spec, B = self.spec, len(self.reqs)
-        lengths = self.draft_lengths()  # [B]
-        if spec.mode == "ngram":
+        lengths = self.draft_lengths()  # [B] the longest path the drafter may propose per request
+        grams = [ngram_lookup(r.history, spec.ngram_n, self.ngram_cap) for r in self.reqs] if self.use_ngram else []
+        # the longer proposal wins below; when every request's n-gram chain is longer than anything the
+        # drafter may propose, drafting this round would be thrown away, so it is skipped (same proposal)
+        skip = spec.mode == "ngram" or (self.use_ngram and all(len(g) > n for g, n in zip(grams, lengths.tolist())))
+        if skip:
             prop = chain_proposal(self.roots, torch.zeros(B, 0, dtype=torch.long, device=self.dev),
                                   torch.zeros(B, dtype=torch.long, device=self.dev))
             lengths = lengths * 0
@@ -318,7 +322,6 @@ class _Session:
             prop = self.draft.tree(self.roots, spec.topk, int(lengths.max()), self.tree_budget(),
                                    lengths if spec.adaptive else None)
         if self.use_ngram:
-            grams = [ngram_lookup(r.history, spec.ngram_n, self.ngram_cap) for r in self.reqs]
             use = [len(g) > int(n) for g, n in zip(grams, prop.depth)]
             prop = merge_ngram(prop, grams, use)
         return prop

@@ -19,6 +19,10 @@ from drafthead.layers import apply_rope
 from drafthead.target import base_model, check_layer_ids, decoder_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# oneDNN's bf16 matmul gives a row the same bits for any row count up to 32 on the AMX CPUs measured here
+# (every SmolLM2 weight shape; at 33 or more rows some shapes switch kernels and rows change), so bf16 CPU
+# forwards run their projections in chunks of at most this many rows.
+INVARIANT_ROWS = 32
 
 
 class TargetModel:
@@ -56,6 +60,7 @@ class TargetModel:
         self.qk_norm = hasattr(attn, "q_norm")
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
+        self.chunk_rows = self.dtype == torch.bfloat16 and self.device.type == "cpu"
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
         """Zeroed KV cache [B, L*2*kvh, S, D]."""
@@ -112,7 +117,7 @@ class TargetModel:
         last = rms_norm(self.base.norm, h) if capture and self.capture_last else None  # [B, T, H]
         if logits_at is not None:
             h = h[torch.arange(B, device=h.device), logits_at][:, None]  # [B, 1, H]
-        logits = self.model.lm_head(rms_norm(self.base.norm, h))  # [B, T, V]
+        logits = self.linear(self.model.lm_head, rms_norm(self.base.norm, h))  # [B, T, V]
         aux = None
         if capture and self.aux_layer_ids:
             by_id = dict(zip([i for i in range(self.num_layers) if i in self.aux_layer_ids], grabbed))
@@ -126,9 +131,9 @@ class TargetModel:
         B, T, _ = h.shape
         attn = layer.self_attn
         x = rms_norm(layer.input_layernorm, h)
-        q = attn.q_proj(x).view(B, T, -1, self.head_dim)  # [B, T, h, D]
-        k = attn.k_proj(x).view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
-        v = attn.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        q = self.linear(attn.q_proj, x).view(B, T, -1, self.head_dim)  # [B, T, h, D]
+        k = self.linear(attn.k_proj, x).view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
+        v = self.linear(attn.v_proj, x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
         if self.qk_norm:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
@@ -137,8 +142,19 @@ class TargetModel:
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
         o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling)  # [B, h, T, D]
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        return h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+        h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1))
+        mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h)
+        return h + self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+
+    def linear(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """proj(x) for x [B, T, in]; in bf16 on CPU, in chunks of INVARIANT_ROWS rows so that each row's
+        result has the same bits whatever B*T is (a verify block = the same tokens decoded one by one)."""
+        rows = x.shape[0] * x.shape[1]
+        if not self.chunk_rows or rows <= INVARIANT_ROWS:
+            return proj(x)
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.cat([proj(flat[i: i + INVARIANT_ROWS]) for i in range(0, rows, INVARIANT_ROWS)])
+        return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
