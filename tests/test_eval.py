@@ -421,3 +421,18 @@ def test_bench_on_smollm2_matches_hf_generate(smollm2_draft, tmp_path):
     for name, m in r["methods"].items():
         assert m["outputs_equal_our_ar"] == 2, name
     assert r["verify_cost"][-1]["ms"] > 0
+
+
+@pytest.mark.slow
+def test_bench_speedup_script_runs_interleaved_and_checks_losslessness(smollm2_draft):
+    """scripts/bench_speedup.py on the real target with a random draft: both MT-Bench turns, every method
+    timed, and the speculative outputs equal our AR outputs."""
+    _, final = smollm2_draft
+    cmd = [sys.executable, "scripts/bench_speedup.py", "--draft", str(final), "--questions", "1", "--new", "6",
+           "--threads", "1"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = res.stdout
+    for name in ("our AR", "HF generate (bfloat16)", "chain k=2 + n-gram"):
+        assert name in out
+    assert "outputs equal to our AR 2/2" in out
