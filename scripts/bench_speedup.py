@@ -21,13 +21,8 @@ import torch
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
 from eval import load_models
+from eval.bench import hf_method, runtime_method
 from eval.datasets import chat_prompt, load_eval_dataset
-
-
-def hf_generate(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
 
 
 def main() -> None:
@@ -46,17 +41,17 @@ def main() -> None:
     target, drafter = load_models(a.draft, None, None, "cpu", a.dtype)
     tok = target.tokenizer
     gen = SpeculativeGenerator(target, drafter)
-    spec = SpecConfig(mode="chain", num_draft_tokens=a.k, ngram=not a.no_ngram)
-    methods = {"our AR": lambda p: gen.generate([p], a.new, SpecConfig(mode="ar"))[0],
-               f"HF generate ({a.dtype})": lambda p: hf_generate(target.model, p, a.new)}
+    # each method: (prompt ids, max new tokens) -> (new tokens, verify rounds or None), as in `drafthead bench`
+    methods = {"our AR": runtime_method(gen, SpecConfig(mode="ar")),
+               f"HF generate ({a.dtype})": hf_method(target.model, "cpu")}
     if a.hf_fp32:
         fp32 = load_target(target.name_or_path, target.gguf_file, dtype="float32").model
-        methods["HF generate (float32)"] = lambda p: hf_generate(fp32, p, a.new)
+        methods["HF generate (float32)"] = hf_method(fp32, "cpu")
     spec_name = f"chain k={a.k}" + ("" if a.no_ngram else " + n-gram")
-    methods[spec_name] = lambda p: gen.generate([p], a.new, spec)[0]
+    methods[spec_name] = runtime_method(gen, SpecConfig(mode="chain", num_draft_tokens=a.k, ngram=not a.no_ngram))
     warm = chat_prompt(tok, [{"role": "user", "content": "Hello"}])
     for f in methods.values():
-        f(warm)
+        f(warm, 8)
 
     secs = dict.fromkeys(methods, 0.0)
     toks = dict.fromkeys(methods, 0)
@@ -69,15 +64,15 @@ def main() -> None:
             out = {}
             for name, f in methods.items():
                 t = time.perf_counter()
-                out[name] = f(prompt)
+                out[name] = f(prompt, a.new)  # (tokens, verify rounds or None)
                 secs[name] += time.perf_counter() - t
-                toks[name] += len(out[name] if isinstance(out[name], list) else out[name].tokens)
-            ar, sp = out["our AR"], out[spec_name]
-            equal += sp.tokens == ar.tokens
+                toks[name] += len(out[name][0])
+            (ar, _), (sp, sp_rounds) = out["our AR"], out[spec_name]
+            equal += sp == ar
             turns += 1
-            rounds += sp.num_rounds
-            drafted_tokens += len(sp.tokens) - 1  # the first token comes from the prefill
-            messages.append({"role": "assistant", "content": tok.decode(ar.tokens, skip_special_tokens=True)})
+            rounds += sp_rounds
+            drafted_tokens += len(sp) - 1  # the first token comes from the prefill
+            messages.append({"role": "assistant", "content": tok.decode(ar, skip_special_tokens=True)})
 
     rate = {n: toks[n] / secs[n] for n in methods}
     hf = rate[f"HF generate ({a.dtype})"]

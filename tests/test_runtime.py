@@ -236,6 +236,20 @@ def test_greedy_is_lossless(arch: str, drafter_kind: str, llama: Target, qwen3: 
             assert r.stopped_eos == (r.tokens[-1] == EOS)
 
 
+def forward_in_blocks(tm: TargetModel, prefix: torch.Tensor, new: torch.Tensor, sizes: list[int], capacity: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill `prefix` [B, P], then feed `new` [B, T] in blocks of `sizes` tokens (a verify block or single
+    decode steps); returns the logits [B, T, V] and aux features [B, T, F] of all new tokens."""
+    B = prefix.shape[0]
+    cache, lens = tm.new_cache(B, capacity), torch.zeros(B, dtype=torch.long)
+    tm.forward(cache, prefix, lens)
+    lens, out, i = lens + prefix.shape[1], [], 0
+    for n in sizes:
+        out.append(tm.forward(cache, new[:, i: i + n], lens, capture=True))
+        lens, i = lens + n, i + n
+    return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
+
+
 def test_bf16_verify_block_is_bitwise_single_steps() -> None:
     """Batch invariance in bf16: a token's logits are the same bits whether it is decoded alone or inside
     a verify block of any size, so greedy speculative output can equal AR output exactly."""
@@ -243,21 +257,11 @@ def test_bf16_verify_block_is_bitwise_single_steps() -> None:
     tm = TargetModel(target.model, aux_layer_ids=[0, 1, 1])
     g = torch.Generator().manual_seed(0)
     prefix, new = torch.randint(3, 128, (2, 11), generator=g), torch.randint(3, 128, (2, 9), generator=g)
-
-    def run(chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        cache, lens = tm.new_cache(2, 40), torch.zeros(2, dtype=torch.long)
-        tm.forward(cache, prefix, lens)
-        lens, out, i = lens + prefix.shape[1], [], 0
-        for c in chunks:
-            out.append(tm.forward(cache, new[:, i: i + c], lens, capture=True))
-            lens, i = lens + c, i + c
-        return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
-
-    logits, aux = run([1] * 9)
-    for chunks in ([9], [2, 3, 4], [5, 1, 3]):
-        lg, ax = run(chunks)
-        assert torch.equal(lg, logits), chunks
-        assert torch.equal(ax, aux), chunks
+    logits, aux = forward_in_blocks(tm, prefix, new, [1] * 9, 40)
+    for sizes in ([9], [2, 3, 4], [5, 1, 3]):
+        lg, ax = forward_in_blocks(tm, prefix, new, sizes, 40)
+        assert torch.equal(lg, logits), sizes
+        assert torch.equal(ax, aux), sizes
 
 
 def test_bf16_projections_are_row_invariant_beyond_32_rows() -> None:
@@ -321,7 +325,7 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
     got = oracle.generate(prompts, 24, SpecConfig(mode="chain", num_draft_tokens=4))
     assert [r.tokens for r in got] == want
     assert sum(sum(r.accept_lens) for r in got) > 0  # the oracle's drafts were verified, not skipped
-    # an fp32 draft on the bf16 target (eval's draft_dtype=auto on CPU): bf16 features in, fp32 drafting
+    # an fp32 draft on the bf16 target: bf16 features in, fp32 drafting; the target still decides
     gen32 = SpeculativeGenerator(target, random_drafter(target).float())
     for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="tree", num_draft_tokens=6, depth=3),
                  SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, batch_size=2)):
@@ -626,16 +630,6 @@ def test_smollm2_bf16_batched_verify_block_is_bitwise() -> None:
     tm = TargetModel(target.model, [2, 15, 27])
     g = torch.Generator().manual_seed(0)
     prefix, new = torch.randint(0, 49152, (4, 100), generator=g), torch.randint(0, 49152, (4, 10), generator=g)
-
-    def run(sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        cache, lens = tm.new_cache(4, 200), torch.zeros(4, dtype=torch.long)
-        tm.forward(cache, prefix, lens)
-        lens, out, i = lens + 100, [], 0
-        for n in sizes:
-            out.append(tm.forward(cache, new[:, i: i + n], lens, capture=True))
-            lens, i = lens + n, i + n
-        return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
-
-    logits, aux = run([1] * 10)
-    block_logits, block_aux = run([10])
+    logits, aux = forward_in_blocks(tm, prefix, new, [1] * 10, 200)
+    block_logits, block_aux = forward_in_blocks(tm, prefix, new, [10], 200)
     assert torch.equal(block_logits, logits) and torch.equal(block_aux, aux)

@@ -96,8 +96,8 @@ class TargetModel:
         start = int(lens[0]) if bool((lens == lens[0]).all()) else None  # all requests aligned: slice writes
         # Batch invariance: a token's logits must not depend on how many tokens share its forward, or a
         # near-tie argmax can flip between a verify block and plain decoding. bf16 matmuls (oneDNN) are
-        # row-invariant; CPU SDPA is too, given the same key length and more than one query (q_len 1 takes
-        # a separate decode kernel). So attention always spans the whole cache (masked) and a lone query
+        # row-invariant up to INVARIANT_ROWS rows (`linear` chunks larger calls); CPU SDPA is too, given the
+        # same key length and more than one query (q_len 1 takes a separate decode kernel). So attention always spans the whole cache (masked) and a lone query
         # is doubled (`attend`): in bf16, speculative greedy output then equals AR output bit for bit.
         # (fp32 matmuls switch kernels by row count; there equality holds up to rounding.)
         S = cache.shape[2]
