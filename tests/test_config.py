@@ -102,6 +102,8 @@ def test_bad_ranges_and_argument_shape():
         load_config(["data.max_length=2"])
     with pytest.raises(ConfigError, match=r"drafter\.ttt_steps"):
         load_config(["drafter.ttt_steps=0"])
+    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.feature_loss_weight': -0\.5 \(must be >= 0\)"):
+        load_config(["drafter.feature_loss_weight=-0.5"])
     with pytest.raises(ConfigError, match=r"key=value.*'max_steps'"):
         load_config(["max_steps"])
 
