@@ -151,7 +151,7 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
     """
     cache = target_model.new_cache(1, len(prefix) + max(sizes))
     lens = torch.zeros(1, dtype=torch.long, device=device)
-    target_model.forward(cache, torch.tensor([prefix], device=device), lens, logits_at=lens)  # prefill
+    target_model.forward(cache, torch.tensor([prefix], device=device), lens, logits_at=lens, prefill=True)
     lens = lens + len(prefix)
     rows = []
     for n in sizes:

@@ -48,7 +48,7 @@ def bench_generate(target, gen: SpeculativeGenerator, prompt: list[int], new: in
 def bench_verify(tm: TargetModel, prefix: int, sizes: list[int], reps: int) -> dict:
     cache = tm.new_cache(1, prefix + max(sizes) + 1)
     lens = torch.zeros(1, dtype=torch.long)
-    tm.forward(cache, torch.randint(0, tm.vocab_size, (1, prefix)), lens)  # fill the prefix once
+    tm.forward(cache, torch.randint(0, tm.vocab_size, (1, prefix)), lens, prefill=True)  # fill the prefix once
     lens += prefix
     out = {}
     for T in sizes:

@@ -78,9 +78,11 @@ def main() -> None:
     hf = rate[f"HF generate ({a.dtype})"]
     print(f"MT-Bench {a.questions} questions x 2 turns, {a.new} new tokens, {a.dtype} target, {a.threads} threads, "
           "interleaved per turn")
-    print(f"{'method':28s} {'tok/s':>7s} {'vs our AR':>10s} {'vs HF':>7s}")
+    hf32 = rate.get("HF generate (float32)") if a.dtype != "float32" else None
+    print(f"{'method':28s} {'tok/s':>7s} {'vs our AR':>10s} {'vs HF':>7s}" + (f" {'vs HF fp32':>11s}" if hf32 else ""))
     for n in methods:
-        print(f"{n:28s} {rate[n]:7.1f} {rate[n] / rate['our AR']:9.2f}x {rate[n] / hf:6.2f}x")
+        print(f"{n:28s} {rate[n]:7.1f} {rate[n] / rate['our AR']:9.2f}x {rate[n] / hf:6.2f}x"
+              + (f" {rate[n] / hf32:10.2f}x" if hf32 else ""))
     print(f"{spec_name}: tau {drafted_tokens / max(rounds, 1):.2f}, outputs equal to our AR {equal}/{turns}")
 
 

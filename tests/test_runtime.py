@@ -16,6 +16,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
+from drafthead.kernels import cpu_linear
 from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
 from drafthead.runtime import ops
 from drafthead.runtime.draft import ngram_lookup
@@ -242,7 +243,7 @@ def forward_in_blocks(tm: TargetModel, prefix: torch.Tensor, new: torch.Tensor, 
     decode steps); returns the logits [B, T, V] and aux features [B, T, F] of all new tokens."""
     B = prefix.shape[0]
     cache, lens = tm.new_cache(B, capacity), torch.zeros(B, dtype=torch.long)
-    tm.forward(cache, prefix, lens)
+    tm.forward(cache, prefix, lens, prefill=True)
     lens, out, i = lens + prefix.shape[1], [], 0
     for n in sizes:
         out.append(tm.forward(cache, new[:, i: i + n], lens, capture=True))
@@ -277,10 +278,48 @@ def test_bf16_projections_are_row_invariant_beyond_32_rows() -> None:
     with torch.no_grad():
         single = torch.cat([proj(x.reshape(100, 576)[i: i + 1]) for i in range(100)]).view(4, 25, -1)
         for T in (8, 9, 10, 25):  # 32, 36, 40, 100 rows
-            assert torch.equal(tm.linear(proj, x[:, :T]), single[:, :T]), T
+            assert torch.equal(tm.linear(proj, x[:, :T], prefill=True), single[:, :T]), T
         raw = proj(x[:, :10])
     assert INVARIANT_ROWS == 32
     assert not torch.equal(raw, single[:, :10]), "oneDNN is now row-invariant at 40 rows: the case no longer tests"
+
+
+@pytest.mark.skipif(not cpu_linear.available(), reason="bf16 CPU kernel unavailable")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_bf16_decode_kernel_is_close_to_hf_and_lossless(arch: str) -> None:
+    """bf16 TargetModel: decode-step logits (packed kernel) are close to HF's bf16 forward, and greedy
+    speculative output equals AR output with the kernel on and with it off (oneDNN fallback)."""
+    target = tiny_target(arch, dtype=torch.bfloat16, seed=3, head_scale=4.0)
+    tm = TargetModel(target.model)
+    assert tm.decode_kernel
+    seq = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache, lens = tm.new_cache(1, 16), torch.zeros(1, dtype=torch.long)
+    tm.forward(cache, seq[:, :8], lens, prefill=True)
+    logits, _ = tm.forward(cache, seq[:, 8:], lens + 8)  # [1, 4, V] through the packed kernel
+    with torch.no_grad():
+        hf = target.model(seq).logits[:, 8:].float()  # [1, 4, V]
+    assert (logits.float() - hf).abs().max() < 0.05 * hf.abs().max(), "decode kernel far from HF"
+    assert isinstance(tm.model.model.layers[0].mlp.down_proj, nn.Linear)
+
+    prompts = random_prompts(3, 128, seed=5)
+    for on in (True, False):
+        gen = SpeculativeGenerator(target, random_drafter(target))
+        gen.model.decode_kernel = on
+        want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+        for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
+                     SpecConfig(mode="tree", num_draft_tokens=6, depth=3)):
+            assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, (on, spec)
+
+
+def test_bf16_decode_kernel_unavailable_falls_back_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_linear, "_state", {})
+    monkeypatch.setenv("DRAFTHEAD_CPU_KERNEL", "0")
+    assert not cpu_linear.available()
+    assert cpu_linear.unavailable_reason() == "DRAFTHEAD_CPU_KERNEL=0"
+    with pytest.raises(RuntimeError, match="DRAFTHEAD_CPU_KERNEL=0"):
+        cpu_linear.pack(torch.zeros(4, 8, dtype=torch.bfloat16))
+    tm = TargetModel(tiny_target("llama", dtype=torch.bfloat16).model)
+    assert not tm.decode_kernel  # the runtime uses oneDNN then
 
 
 def test_kv_cache_overflow_is_a_named_error(llama: Target) -> None:

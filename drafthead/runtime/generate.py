@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from drafthead.runtime import ops
+from drafthead.kernels import cpu_linear
 from drafthead.runtime.draft import DraftRunner, ModuleChainRunner, Proposal, chain_proposal, merge_ngram, ngram_lookup
 from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import probs, sample
@@ -96,6 +97,8 @@ class SpeculativeGenerator:
         self.target = target
         self.device = torch.device(device)
         self.drafter = drafter.to(self.device).eval() if drafter is not None else None
+        # bf16 drafts on CPU draft through the packed decode kernel (a copy; the drafter passed in is untouched)
+        self.draft_model = cpu_linear.with_packed_linears(self.drafter) if drafter is not None else None
         aux = check_drafter(drafter, target.config) if drafter is not None else []
         last = drafter is not None and uses_last_hidden(drafter)
         self.model = TargetModel(target.model.to(self.device), aux, capture_last=last)
@@ -188,7 +191,7 @@ class _Session:
         self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
         self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached
         runner = ModuleChainRunner if getattr(g.drafter, "chain_modules", 1) > 1 else DraftRunner
-        self.draft = runner(g.drafter, B, self.capacity, self.dev) if self.use_drafter else None
+        self.draft = runner(g.draft_model, B, self.capacity, self.dev) if self.use_drafter else None
         # adaptive draft length per request: EMA of accept_len, k = round(ema) + 1
         self.ema = torch.full((B,), (self.max_len - 1) / 2, device=self.dev)
 
@@ -244,7 +247,8 @@ class _Session:
         ids = torch.zeros(B, T, dtype=torch.long, device=self.dev)
         for b, r in enumerate(self.reqs):
             ids[b, : len(r.prompt)] = torch.tensor(r.prompt, device=self.dev)
-        logits, aux = self.g.model.forward(self.cache, ids, self.lens, logits_at=plen - 1, capture=self.use_drafter)
+        logits, aux = self.g.model.forward(self.cache, ids, self.lens, logits_at=plen - 1, capture=self.use_drafter,
+                                           prefill=True)
         first = self.pick(logits[:, 0])  # [B]
         self.lens = plen.clone()
         self.roots = first

@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafthead.kernels import cpu_linear
 from drafthead.layers import apply_rope
 from drafthead.target import base_model, check_layer_ids, decoder_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # oneDNN's bf16 matmul gives a row the same bits for any row count up to 32 on the AMX CPUs measured here
 # (every SmolLM2 weight shape; at 33 or more rows some shapes switch kernels and rows change), so bf16 CPU
-# forwards run their projections in chunks of at most this many rows.
+# prefills run their projections in chunks of at most this many rows.
 INVARIANT_ROWS = 32
 
 
@@ -61,6 +62,11 @@ class TargetModel:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.chunk_rows = self.dtype == torch.bfloat16 and self.device.type == "cpu"
+        # bf16 on CPU: generated tokens (decode steps, verify blocks) go through the packed AVX512-BF16 kernel,
+        # prompts through oneDNN (faster at many rows); both are row-invariant, each on its own side.
+        dims = (c.hidden_size, c.intermediate_size, self.head_dim * c.num_attention_heads)
+        self.decode_kernel = self.chunk_rows and all(d % 2 == 0 for d in dims) and cpu_linear.available()
+        self._packed: dict[nn.Module, torch.Tensor] = {}
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
         """Zeroed KV cache [B, L*2*kvh, S, D]."""
@@ -75,7 +81,7 @@ class TargetModel:
     @torch.inference_mode()
     def forward(self, cache: torch.Tensor, input_ids: torch.Tensor, lens: torch.Tensor,
                 tree_mask: torch.Tensor | None = None, depth: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, capture: bool = False
+                logits_at: torch.Tensor | None = None, capture: bool = False, prefill: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run T new tokens per request and write their K/V at slots lens[b] .. lens[b]+T-1.
 
@@ -88,6 +94,9 @@ class TargetModel:
             logits_at: [B] index of the single new token per request whose logits are wanted; None = all.
             capture: also return the aux features (inputs of `aux_layer_ids`), or with `capture_last`
                 the last hidden states [B, T, H].
+            prefill: the tokens are a prompt. Only changes which bf16 CPU kernel runs (oneDNN for prompts, the
+                packed decode kernel for generated tokens); a token must always be fed the same way, so the
+                runtime passes True for prompts and False for every decode step and verify block.
         Returns (logits [B, T or 1, V], aux [B, T, len(aux)*H] or None).
         """
         B, T = input_ids.shape
@@ -98,7 +107,8 @@ class TargetModel:
         # near-tie argmax can flip between a verify block and plain decoding. bf16 matmuls (oneDNN) are
         # row-invariant up to INVARIANT_ROWS rows (`linear` chunks larger calls); CPU SDPA is too, given the
         # same key length and more than one query (q_len 1 takes a separate decode kernel). So attention always spans the whole cache (masked) and a lone query
-        # is doubled (`attend`): in bf16, speculative greedy output then equals AR output bit for bit.
+        # is doubled (`attend`): in bf16, speculative greedy output then equals AR output bit for bit. On CPU
+        # the packed decode kernel (`cpu_linear`) is row-invariant at any row count.
         # (fp32 matmuls switch kernels by row count; there equality holds up to rounding.)
         S = cache.shape[2]
         if int(lens.max()) + T > S:
@@ -113,11 +123,11 @@ class TargetModel:
         for i, layer in enumerate(self.layers):
             if capture and i in self.aux_layer_ids:
                 grabbed.append(h)
-            h = self.block(i, layer, h, cos, sin, cache, slots, start, S, mask)
+            h = self.block(i, layer, h, cos, sin, cache, slots, start, S, mask, prefill)
         last = rms_norm(self.base.norm, h) if capture and self.capture_last else None  # [B, T, H]
         if logits_at is not None:
             h = h[torch.arange(B, device=h.device), logits_at][:, None]  # [B, 1, H]
-        logits = self.linear(self.model.lm_head, rms_norm(self.base.norm, h))  # [B, T, V]
+        logits = self.linear(self.model.lm_head, rms_norm(self.base.norm, h), prefill)  # [B, T, V]
         aux = None
         if capture and self.aux_layer_ids:
             by_id = dict(zip([i for i in range(self.num_layers) if i in self.aux_layer_ids], grabbed))
@@ -126,14 +136,14 @@ class TargetModel:
 
     def block(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               cache: torch.Tensor, slots: torch.Tensor, start: int | None, S: int,
-              mask: torch.Tensor | None) -> torch.Tensor:
+              mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
         """One pre-norm decoder layer (Llama/Qwen2/Qwen3 share this shape)."""
         B, T, _ = h.shape
         attn = layer.self_attn
         x = rms_norm(layer.input_layernorm, h)
-        q = self.linear(attn.q_proj, x).view(B, T, -1, self.head_dim)  # [B, T, h, D]
-        k = self.linear(attn.k_proj, x).view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
-        v = self.linear(attn.v_proj, x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        q = self.linear(attn.q_proj, x, prefill).view(B, T, -1, self.head_dim)  # [B, T, h, D]
+        k = self.linear(attn.k_proj, x, prefill).view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
+        v = self.linear(attn.v_proj, x, prefill).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
         if self.qk_norm:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
@@ -142,13 +152,20 @@ class TargetModel:
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
         o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling)  # [B, h, T, D]
-        h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1))
+        h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
         mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h)
-        return h + self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+        gate, up = self.linear(mlp.gate_proj, x, prefill), self.linear(mlp.up_proj, x, prefill)  # [B, T, I]
+        return h + self.linear(mlp.down_proj, mlp.act_fn(gate) * up, prefill)
 
-    def linear(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """proj(x) for x [B, T, in]; in bf16 on CPU, in chunks of INVARIANT_ROWS rows so that each row's
-        result has the same bits whatever B*T is (a verify block = the same tokens decoded one by one)."""
+    def linear(self, proj: nn.Module, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """proj(x) for x [B, T, in] whose rows have the same bits whatever B*T is (a verify block = the same
+        tokens decoded one by one). bf16 on CPU: generated tokens through the packed decode kernel, prompts
+        through oneDNN in chunks of INVARIANT_ROWS rows."""
+        if self.decode_kernel and not prefill:
+            packed = self._packed.get(proj)
+            if packed is None:
+                packed = self._packed[proj] = cpu_linear.pack(proj.weight)
+            return cpu_linear.linear(x, packed, proj.weight.shape[0], proj.bias)
         rows = x.shape[0] * x.shape[1]
         if not self.chunk_rows or rows <= INVARIANT_ROWS:
             return proj(x)

@@ -1,0 +1,118 @@
+// bf16 projection y = x @ w.T (+ b) for CPU decoding, built by drafthead/kernels/cpu_linear.py.
+//
+// Why: oneDNN's bf16 matmul is slow at the row counts of decoding (1-5 rows: ~5 GMAC/s on the 2-core AMX
+// Xeon measured, against ~28 GMAC/s here), and it changes kernels with the row count. This kernel computes
+// every output element with the same instruction sequence whatever the number of rows or the row's place
+// in the call, so a token verified inside a block gets the bits it gets when decoded alone.
+//
+// Layout: the weight [N, K] is packed once to [ceil(N/16), K/2, 16, 2] so that one 512-bit load holds the
+// k-pair (2k, 2k+1) of 16 consecutive outputs; `vdpbf16ps` adds x[2k]*w[n,2k] + x[2k+1]*w[n,2k+1] to the
+// fp32 accumulator of each of the 16 outputs. Sums run over k in order, in fp32; one rounding to bf16 at
+// the end (after adding the bias in fp32). No horizontal reductions.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // outputs per packed block
+constexpr int kBlocks = 4;      // packed blocks per tile (64 outputs)
+constexpr int64_t kPrefetch = 8;  // k-pairs ahead
+constexpr int kRows = 6;        // rows of x per tile (6 x 4 accumulators + 4 weights + 1 broadcast = 29 zmm)
+
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack: weight must be a bf16 [N, K] tensor");
+  TORCH_CHECK(w.size(1) % 2 == 0, "pack: K = ", w.size(1), " must be even");
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + kLanes - 1) / kLanes;
+  auto padded = torch::zeros({NB * kLanes, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  return padded.view({NB, kLanes, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();  // [NB, K/2, 16, 2]
+}
+
+// Rows m0..m0+R-1 of x against packed blocks b0..b0+B-1.
+template <int R, int B>
+inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, const float* bias, int64_t b0,
+                 at::BFloat16* y, int64_t N, int64_t m0) {
+  const int64_t KP = K / 2, block = KP * 2 * kLanes;
+  __m512 acc[R][B];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < B; ++j) acc[i][j] = _mm512_setzero_ps();
+  const int32_t* xr[R];
+  for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const int32_t*>(x + (m0 + i) * K);
+  const at::BFloat16* pb = p + b0 * block;
+  for (int64_t kp = 0; kp < KP; ++kp) {
+    for (int j = 0; j < B; ++j)  // one 64-byte line per block and k-pair: fetch a few pairs ahead
+      _mm_prefetch(reinterpret_cast<const char*>(pb + j * block + (kp + kPrefetch) * 2 * kLanes), _MM_HINT_T0);
+    __m512i w[B];
+    for (int j = 0; j < B; ++j) w[j] = _mm512_loadu_si512(static_cast<const void*>(pb + j * block + kp * 2 * kLanes));
+    for (int i = 0; i < R; ++i) {
+      const __m512i xb = _mm512_set1_epi32(xr[i][kp]);  // the pair x[2kp], x[2kp+1] in every lane
+      for (int j = 0; j < B; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)w[j]);
+    }
+  }
+  for (int j = 0; j < B; ++j) {
+    const int64_t n = (b0 + j) * kLanes;
+    const int64_t valid = std::min<int64_t>(kLanes, N - n);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bj = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i) {
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bj));
+      _mm256_mask_storeu_epi16(static_cast<void*>(y + (m0 + i) * N + n), mask, out);
+    }
+  }
+}
+
+template <int B>
+inline void rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* p, const float* bias, int64_t b0,
+                 at::BFloat16* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) tile<kRows, B>(x, K, p, bias, b0, y, N, m);
+  switch (M - m) {
+    case 5: tile<5, B>(x, K, p, bias, b0, y, N, m); break;
+    case 4: tile<4, B>(x, K, p, bias, b0, y, N, m); break;
+    case 3: tile<3, B>(x, K, p, bias, b0, y, N, m); break;
+    case 2: tile<2, B>(x, K, p, bias, b0, y, N, m); break;
+    case 1: tile<1, B>(x, K, p, bias, b0, y, N, m); break;
+    default: break;
+  }
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "linear: x must be a bf16 [M, K] tensor");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kLanes,
+              "linear: packed weight must come from pack()");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1), "linear: x has K = ", x.size(1), ", the weight ", packed.size(1) * 2);
+  TORCH_CHECK(N > (packed.size(0) - 1) * kLanes && N <= packed.size(0) * kLanes, "linear: N = ", N,
+              " does not match the packed weight");
+  x = x.contiguous();
+  torch::Tensor b32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, expected ", N);
+    b32 = bias->to(at::kFloat).contiguous();
+  }
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const at::BFloat16* X = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* P = packed.data_ptr<at::BFloat16>();
+  const float* Bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
+  at::BFloat16* Y = y.data_ptr<at::BFloat16>();
+  const int64_t groups = (NB + kBlocks - 1) / kBlocks;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b0 = g * kBlocks;
+      if (b0 + kBlocks <= NB) {
+        rows<kBlocks>(X, M, K, P, Bp, b0, Y, N);
+      } else {
+        for (int64_t b = b0; b < NB; ++b) rows<1>(X, M, K, P, Bp, b, Y, N);
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "bf16 weight [N, K] -> packed [ceil(N/16), K/2, 16, 2]");
+  m.def("linear", &linear, "bf16 x [M, K] @ packed weight (+ bias) -> [M, N]");
+}
