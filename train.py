@@ -158,14 +158,15 @@ def main(argv: list[str]) -> Path:
                 ls = L.all_reduce_sum(torch.tensor([loss_sum, float(n_micro)], dtype=torch.float64), d)
                 row = {"step": step, "epoch": state["epoch"] + (bi + 1) / len(batches), "loss": float(ls[0] / ls[1]),
                        "lr": lr, **{f"acc_{i}": a for i, a in enumerate(acc)},
-                       "tokens_per_s": tput.rate() * d.world, "tokens_seen": state["tokens_seen"] * d.world}
+                       "tokens_per_s": tput.rate() * d.world, "tokens_seen": state["tokens_seen"] * d.world,
+                       "wall_s": round(time.perf_counter() - t_start, 1)}  # since this process started
                 logger.log(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 acc_c.zero_(), acc_n.zero_()
                 loss_sum, n_micro = 0.0, 0
             if eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == total_steps):
                 last_eval = L.evaluate(engine.module, eval_batches, head, d)
-                logger.log({"step": step, **last_eval})
+                logger.log({"step": step, **last_eval, "wall_s": round(time.perf_counter() - t_start, 1)})
                 log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
                     f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
