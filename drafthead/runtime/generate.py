@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from drafthead.runtime import ops
 from drafthead.kernels import cpu_linear
+from drafthead.runtime import ops
 from drafthead.runtime.draft import DraftRunner, ModuleChainRunner, Proposal, chain_proposal, merge_ngram, ngram_lookup
 from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import probs, sample

@@ -66,7 +66,7 @@ class TargetModel:
         # prompts through oneDNN (faster at many rows); both are row-invariant, each on its own side.
         dims = (c.hidden_size, c.intermediate_size, self.head_dim * c.num_attention_heads)
         self.decode_kernel = self.chunk_rows and all(d % 2 == 0 for d in dims) and cpu_linear.available()
-        self._packed: dict[nn.Module, torch.Tensor] = {}
+        self._packed: dict[nn.Module, cpu_linear.PackedLinear] = {}  # made on first decode use
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
         """Zeroed KV cache [B, L*2*kvh, S, D]."""
@@ -162,10 +162,10 @@ class TargetModel:
         tokens decoded one by one). bf16 on CPU: generated tokens through the packed decode kernel, prompts
         through oneDNN in chunks of INVARIANT_ROWS rows."""
         if self.decode_kernel and not prefill:
-            packed = self._packed.get(proj)
-            if packed is None:
-                packed = self._packed[proj] = cpu_linear.pack(proj.weight)
-            return cpu_linear.linear(x, packed, proj.weight.shape[0], proj.bias)
+            fast = self._packed.get(proj)
+            if fast is None:
+                fast = self._packed[proj] = cpu_linear.PackedLinear(proj)
+            return fast(x)
         rows = x.shape[0] * x.shape[1]
         if not self.chunk_rows or rows <= INVARIANT_ROWS:
             return proj(x)
