@@ -36,6 +36,7 @@ from trainer.data import write_jsonl
 def main(argv: list[str]) -> Path:
     # --- config and distributed -----------------------------------------------------------------
     cfg = parse_or_exit(argv)
+    L.retain_freed_memory()  # big per-step tensors reuse the heap instead of fresh page faults
     d = L.init_distributed()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
@@ -84,12 +85,14 @@ def main(argv: list[str]) -> Path:
 
     # --- features: online (captured in the step) or offline (sharded safetensors) -----------------
     offline = cfg.capture.mode == "offline"
+    store_argmax = family in REDUCED_VOCAB  # the teacher head then computes only the draft-vocab rows
     if offline:
         cap_dir = Path(cfg.capture.dir or run_dir / "capture")
         if d.main:
             capture_offline(target, prep.train, cap_dir, layer_ids, feat_dtype, cfg.capture.shard_samples,
-                            cfg.capture.batch_tokens, progress=cfg.logging.progress)
+                            cfg.capture.batch_tokens, progress=cfg.logging.progress, argmax=store_argmax)
         L.barrier(d)
+        L.trim_freed_memory()  # the capture's shard buffers are not needed again
         feats = ShardedFeatures(cap_dir)
         items, lengths = feats, feats.lengths
     else:
@@ -98,7 +101,7 @@ def main(argv: list[str]) -> Path:
     # the same number on every rank: evaluate() all-reduces (and ZeRO-3 gathers weights in each forward)
     eval_items = eval_items[: len(eval_items) // d.world * d.world][d.rank:: d.world]
     eval_batches = [L.make_batch(eval_items[i: i + cfg.train.batch_size], target, layer_ids, feat_dtype, False,
-                                 d.device) for i in range(0, len(eval_items), cfg.train.batch_size)]
+                                 d.device, store_argmax) for i in range(0, len(eval_items), cfg.train.batch_size)]
 
     # --- engine: plain / DDP / DeepSpeed ---------------------------------------------------------
     per_epoch = len(L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, 0, d.world, d.rank,
@@ -134,7 +137,8 @@ def main(argv: list[str]) -> Path:
         batches = L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, state["epoch"], d.world, d.rank,
                                   cfg.train.batch_tokens)
         for bi in range(state["batch_in_epoch"], len(batches)):
-            batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline, d.device)
+            batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline, d.device,
+                                 store_argmax)
             with L.autocast(cfg.train.dtype, d.device, engine.kind):
                 out = engine.forward(**L.drafter_inputs(batch, head, drafter))
             engine.backward(out["loss"])
@@ -169,9 +173,11 @@ def main(argv: list[str]) -> Path:
                 logger.log({"step": step, **last_eval, "wall_s": round(time.perf_counter() - t_start, 1)})
                 log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
                     f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
+                L.trim_freed_memory()
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                     stop_after and steps_this_process >= stop_after):
                 L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints)
+                L.trim_freed_memory()
             if step >= total_steps or (stop_after and steps_this_process >= stop_after):
                 done = True
                 break

@@ -42,6 +42,7 @@ class Eagle3Config:
     ttt_steps: int = 7
     step_decay: float = 0.8
     feature_loss_weight: float = 0.0  # > 0: also regress norm(draft hidden) onto the target's last hidden (EAGLE-1)
+    hard_label_weight: float = 0.0  # lambda: train towards (1 - lambda) * p_target + lambda * onehot(target argmax)
 
     @staticmethod
     def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -158,8 +159,12 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
         return idx + self.d2t[idx]
 
+    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft index of target ids that are in the draft vocabulary (t2d true)."""
+        return self.t2d.cumsum(0)[ids] - 1
+
     # ---- training: unrolled training-time test -------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_logits: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
                 target_argmax: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int | None = None,
                 feature_target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """TTT loss.
@@ -167,8 +172,8 @@ class Eagle3Drafter(nn.Module):
         Args:
             input_ids: [B, T] target token ids (right-padded).
             aux_hidden: [B, T, 3*Ht] captured target features.
-            teacher_logits: [B, T, N] target logits restricted to the draft vocab at position j
-                (predicting x_{j+1}); only rows j with loss_mask[j+1] are read.
+            teacher_probs: [B, T, N] fp32 target distribution restricted to (and renormalised over) the
+                draft vocab at position j (predicting x_{j+1}); only rows j with loss_mask[j+1] are read.
             target_argmax: [B, T] full-vocab target argmax at position j (-1 where unknown).
             loss_mask: [B, T] 1 on assistant tokens.
             feature_target: [B, T, H] the target's last hidden state after its final norm (what its lm_head
@@ -209,10 +214,14 @@ class Eagle3Drafter(nn.Module):
 
             b_idx, t_idx = mask_i.nonzero(as_tuple=True)  # M rows with a target to match
             normed = self.norm(hidden[b_idx, t_idx])  # [M, H]
-            logits = self.lm_head(normed).float()  # [M, N]
-            teach = teacher_logits[b_idx, t_idx + 1 + i]  # [M, N]
+            logits = self.lm_head(normed)  # [M, N] (bf16 under autocast; the loss runs in fp32)
+            teach = teacher_probs.flatten(0, 1).index_select(0, b_idx * T + t_idx + 1 + i)  # [M, N] rows (b, t+1+i)
             tgt = target_argmax[b_idx, t_idx + 1 + i]  # [M]
             in_vocab = self.t2d[tgt.clamp(min=0)] & (tgt >= 0)  # target argmax representable by the draft
+            if c.hard_label_weight > 0:  # sharpen towards the argmax that acceptance is scored on
+                teach = teach.mul_(1 - c.hard_label_weight)  # a fresh gathered copy: in place is safe
+                rows = in_vocab.nonzero(as_tuple=True)[0]
+                teach[rows, self.target_to_draft(tgt[rows])] += c.hard_label_weight
             ce = soft_cross_entropy(logits, teach)  # [M]
             n = max(int(b_idx.numel()), 1)
             li = (ce * in_vocab).sum() / n
@@ -224,7 +233,7 @@ class Eagle3Drafter(nn.Module):
                     n * want.shape[-1])
             total = total + (c.step_decay ** i) * li
             step_loss.append(li.detach())
-            pred = self.draft_to_target(logits.argmax(-1))
+            pred = self.draft_to_target(logits.detach().max(-1).indices)  # first maximum, as argmax
             correct.append((pred == tgt).sum())
             count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
         return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),

@@ -343,38 +343,38 @@ class MtpDrafter(nn.Module):
             hidden = m.shared_head.norm(out) if c.chain_normed else out
         return outs
 
-    def forward(self, input_ids: torch.Tensor, last_hidden: torch.Tensor, teacher_logits: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, last_hidden: torch.Tensor, teacher_probs: torch.Tensor,
                 target_argmax: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Weighted soft cross-entropy against the target over K depths.
 
         Args:
             input_ids: [B, T] target token ids (right-padded).
             last_hidden: [B, T, H] the target's last hidden states (output of its final norm).
-            teacher_logits: [B, T, V] target logits over the FULL vocab at position j (predicting
-                x_{j+1}); only rows j with loss_mask[j+1] are read.
+            teacher_probs: [B, T, V] fp32 target distribution over the FULL vocab at position j
+                (predicting x_{j+1}); only rows j with loss_mask[j+1] are read.
             target_argmax: [B, T] target argmax at position j (-1 where unknown).
             loss_mask: [B, T] 1 on assistant tokens.
         Returns dict with `loss` (scalar) and per depth `step_loss`, `correct`, `count` ([K] each).
         """
         c = self.config
-        if teacher_logits.shape[-1] != c.vocab_size:
-            raise ValueError(f"MTP teacher logits must cover the full target vocab ({c.vocab_size}), got "
-                             f"{teacher_logits.shape[-1]}: build TargetHead without draft ids")
+        if teacher_probs.shape[-1] != c.vocab_size:
+            raise ValueError(f"MTP teacher probabilities must cover the full target vocab ({c.vocab_size}), got "
+                             f"{teacher_probs.shape[-1]}: build TargetHead without draft ids")
         total = last_hidden.new_zeros((), dtype=torch.float32)
         step_loss, correct, count = [], [], []
         for k, out in enumerate(self.depth_hidden(input_ids, last_hidden)):
             m = self.layers[self.module_for(k)]
             mask_k = _shift(loss_mask, 2 + k).bool()  # [B, T]  x_{t+2+k} is an assistant token
             b_idx, t_idx = mask_k.nonzero(as_tuple=True)  # M rows with a target to match
-            logits = m.shared_head.head(m.shared_head.norm(out[b_idx, t_idx])).float()  # [M, V]
-            teach = teacher_logits[b_idx, t_idx + 1 + k]  # [M, V]
+            logits = m.shared_head.head(m.shared_head.norm(out[b_idx, t_idx]))  # [M, V] (loss in fp32)
+            teach = teacher_probs[b_idx, t_idx + 1 + k]  # [M, V]
             tgt = target_argmax[b_idx, t_idx + 1 + k]  # [M]
             ce = soft_cross_entropy(logits, teach)  # [M]
             n = max(int(b_idx.numel()), 1)
             lk = (ce * (tgt >= 0)).sum() / n
             total = total + c.step_weights[k] * lk
             step_loss.append(lk.detach())
-            correct.append((logits.argmax(-1) == tgt).sum())
+            correct.append((logits.detach().max(-1).indices == tgt).sum())
             count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
         return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
                 "count": torch.stack(count).float()}

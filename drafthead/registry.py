@@ -49,7 +49,8 @@ def build_for_target(family: str, target_config: Any, options: Any, aux_layer_id
         cfg: Any = Eagle3Config.from_target(target_config, draft_vocab_size, aux_layer_ids,
                                             intermediate_size=options.intermediate_size,
                                             ttt_steps=options.ttt_steps, step_decay=options.step_decay,
-                                            feature_loss_weight=options.feature_loss_weight)
+                                            feature_loss_weight=options.feature_loss_weight,
+                                            hard_label_weight=options.hard_label_weight)
     elif family == "mtp":
         cfg = MtpConfig.from_target(target_config, intermediate_size=options.intermediate_size,
                                     num_modules=options.num_modules, recursive=options.recursive,

@@ -3,7 +3,8 @@
     python scripts/bench_train.py [recipe=eagle3_smollm2] [bench.batches=6] [key=value ...]
 
 Prints, on real samples of the recipe's data: target forward tokens/s (no hooks), capture tokens/s
-(forward with the layer hooks, features copied out), draft training tokens/s on captured features
+(forward with the layer hooks, features copied out, the target's full-vocab argmax as offline capture stores
+it), draft training tokens/s on captured features
 (teacher + TTT forward + backward + optimizer step), online training tokens/s (capture + train in one
 step, what `train.py` does with capture.mode=online), the ratio online-train / target-forward (goal
 >= 0.5) and peak memory.
@@ -38,13 +39,14 @@ def main(argv: list[str]) -> None:
         else:
             rest.append(a)
     cfg = parse_or_exit(rest + ["data.max_samples=" + str(max(400, 8 * n_batches * 4))])
+    L.retain_freed_memory()  # as train.py does
     d = L.Dist()
     target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
     prep = prepare_samples(cfg, target, d, Path("/tmp"), log=lambda *a: None)
     counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in prep.train), target.config.vocab_size)
     d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
     dcfg = Eagle3Config.from_target(target.config, d2t.numel(), cfg.capture.layer_ids,
-                                    ttt_steps=cfg.drafter.ttt_steps)
+                                    ttt_steps=cfg.drafter.ttt_steps, intermediate_size=cfg.drafter.intermediate_size)
     drafter = build_drafter(cfg.drafter.family, dcfg)
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
@@ -74,7 +76,7 @@ def main(argv: list[str]) -> None:
     feats = {}
 
     def cap(b):
-        feats[id(b)] = features_for_batch(target, b, layer_ids, fdt)
+        feats[id(b)] = features_for_batch(target, b, layer_ids, fdt, argmax=True)  # what capture stores
 
     def train_step(fb):
         with L.autocast(cfg.train.dtype, d.device, engine.kind):
@@ -89,7 +91,7 @@ def main(argv: list[str]) -> None:
         best["fwd"] = max(best["fwd"], timed(fwd))
         best["cap"] = max(best["cap"], timed(cap))
         best["train"] = max(best["train"], timed(lambda b: train_step(feats[id(b)])))
-        best["online"] = max(best["online"], timed(lambda b: train_step(features_for_batch(target, b, layer_ids, fdt))))
+        best["online"] = max(best["online"], timed(lambda b: train_step(features_for_batch(target, b, layer_ids, fdt, argmax=True))))
     fwd_tps, cap_tps, train_tps, online_tps = best["fwd"], best["cap"], best["train"], best["online"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"recipe {cfg.recipe}: target {cfg.target.name_or_path} ({cfg.target.dtype}), draft vocab {d2t.numel()}, "

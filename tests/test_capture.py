@@ -10,8 +10,9 @@ import torch
 from safetensors import safe_open
 
 import trainer.capture as C
-from drafthead.target import load_target
+from drafthead.target import TargetHead, lm_head_weight, load_target
 from trainer import data as D
+from trainer.loop import teacher_targets
 from trainer.capture import CaptureError, ShardedFeatures, capture_offline, collate, features_for_batch
 
 LAYERS = [1, 2, 3]
@@ -224,12 +225,71 @@ def test_stale_tmp_file_is_cleaned(captured, llama, samples):
 
 @pytest.mark.parametrize("change,kw", [("layer_ids", {"layer_ids": [0, 1, 2]}),
                                        ("dtype", {"dtype": torch.float32}),
-                                       ("shard_samples", {"shard_samples": 6})])
+                                       ("shard_samples", {"shard_samples": 6}),
+                                       ("argmax", {"argmax": True})])
 def test_capture_dir_from_another_setup_is_refused(captured, llama, samples, change, kw):
-    args = {"layer_ids": LAYERS, "dtype": torch.bfloat16, "shard_samples": 4, **kw}
+    args = {"layer_ids": LAYERS, "dtype": torch.bfloat16, "shard_samples": 4, "argmax": False, **kw}
     with pytest.raises(CaptureError, match=rf"existing capture was made with {change}=.*this run has.*capture\.dir"):
         capture_offline(llama, samples[:12], captured, args["layer_ids"], args["dtype"],
-                        shard_samples=args["shard_samples"], progress=False)
+                        shard_samples=args["shard_samples"], progress=False, argmax=args["argmax"])
+
+
+def test_capture_of_an_older_format_is_named(captured):
+    m = json.loads((captured / "manifest.json").read_text())
+    m["format"] = "drafthead-capture-1"  # no stored argmax yet
+    (captured / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CaptureError, match=r"capture format 'drafthead-capture-1'.*drafthead-capture-2.*capture again"):
+        ShardedFeatures(captured)
+
+
+# ----------------------------------------------------------------------------- stored target argmax
+
+def test_stored_argmax_is_the_targets_where_the_next_token_is_supervised(llama, samples, tmp_path):
+    """argmax=True stores the full-vocab argmax of the target's lm_head over `last` at positions j whose
+    next token is supervised, -1 elsewhere; offline == online, and both equal what TargetHead computes."""
+    capture_offline(llama, samples, tmp_path / "cap", LAYERS, torch.bfloat16, shard_samples=16, batch_tokens=1,
+                    progress=False, argmax=True)
+    feats = ShardedFeatures(tmp_path / "cap")
+    head = TargetHead(lm_head_weight(llama.model), None)
+    pad = llama.tokenizer.pad_token_id
+    n_sup = 0
+    for i, s in enumerate(samples):
+        got = feats[i]
+        online = features_for_batch(llama, collate([s], pad), LAYERS, torch.bfloat16, argmax=True)["argmax"][0]
+        assert got["argmax"].dtype == torch.int32 and torch.equal(got["argmax"].long(), online), i
+        mask = torch.tensor(s["loss_mask"]).bool()
+        need = torch.zeros_like(mask)
+        need[:-1] = mask[1:]
+        assert (online[~need] == -1).all()
+        _, top = head(got["last"][need])
+        assert torch.equal(online[need], top), i
+        n_sup += int(need.sum())
+    assert n_sup > 100
+    # collate_features pads the stored argmax with -1, like the positions it does not cover
+    b = C.collate_features([feats[0], feats[1]], pad)
+    n0 = feats.lengths[0]
+    assert b["argmax"].shape == b["input_ids"].shape
+    assert (b["argmax"][0, n0:] == -1).all() and torch.equal(b["argmax"][0, :n0], feats[0]["argmax"].long())
+    # a capture without it has no such key
+    capture_offline(llama, samples[:4], tmp_path / "plain", LAYERS, torch.bfloat16, shard_samples=4, progress=False)
+    assert "argmax" not in ShardedFeatures(tmp_path / "plain")[0]
+
+
+def test_teacher_targets_with_the_stored_argmax_equal_the_recomputed_ones(llama, samples):
+    """The trainer's teacher: with a stored argmax the head computes only the draft-vocab rows; the
+    distribution and targets are the same as when it computes the full vocabulary itself."""
+    pad = llama.tokenizer.pad_token_id
+    b = features_for_batch(llama, collate(samples[:3], pad), LAYERS, torch.float32, argmax=True)
+    draft = torch.arange(0, llama.config.vocab_size, 3)  # any sorted subset
+    head = TargetHead(lm_head_weight(llama.model), draft)
+    p_full, t_full = teacher_targets(head, b["last"], b["loss_mask"])
+    p_stored, t_stored = teacher_targets(head, b["last"], b["loss_mask"], b["argmax"])
+    assert torch.equal(t_full, t_stored) and (t_full >= 0).sum() > 10
+    torch.testing.assert_close(p_full, p_stored, rtol=0, atol=0)
+    rows = t_full >= 0
+    torch.testing.assert_close(p_full[rows].sum(-1), torch.ones(int(rows.sum())), rtol=0, atol=1e-5)
+    ref = (b["last"][rows] @ lm_head_weight(llama.model)[draft].T).softmax(-1)  # [M, N]
+    torch.testing.assert_close(p_full[rows], ref, rtol=1e-5, atol=1e-6)
 
 
 def test_capture_dir_from_another_target_is_refused(captured, qwen3, samples):

@@ -104,6 +104,8 @@ def test_bad_ranges_and_argument_shape():
         load_config(["drafter.ttt_steps=0"])
     with pytest.raises(ConfigError, match=r"bad value for 'drafter\.feature_loss_weight': -0\.5 \(must be >= 0\)"):
         load_config(["drafter.feature_loss_weight=-0.5"])
+    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.hard_label_weight': 1\.5 \(must be in \[0, 1\]\)"):
+        load_config(["drafter.hard_label_weight=1.5"])
     with pytest.raises(ConfigError, match=r"key=value.*'max_steps'"):
         load_config(["max_steps"])
 

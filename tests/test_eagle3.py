@@ -49,7 +49,7 @@ def _batch(m: Eagle3Drafter, B: int = 2, T: int = 12, seed: int = 1):
     teacher = torch.randn(B, T, m.config.draft_vocab_size, generator=g)
     tgt = draft_ids(m.d2t)[teacher.argmax(-1)]
     mask = torch.ones(B, T, dtype=torch.long)
-    return ids, aux, teacher, tgt, mask
+    return ids, aux, teacher.softmax(-1), tgt, mask
 
 
 def test_ttt_matches_inference_decode():
@@ -160,3 +160,29 @@ def test_feature_loss_adds_the_regression_of_the_next_targets_hidden():
     m.zero_grad()
     out["loss"].backward()
     assert m.fc.weight.grad is not None and m.fc.weight.grad.abs().sum() > 0
+
+
+def test_hard_label_weight_mixes_a_one_hot_on_the_target_argmax():
+    """hard_label_weight = w trains towards (1 - w) p + w onehot(argmax): the loss is (1 - w) soft CE +
+    w hard CE, checked at w = 1 against the cross-entropy of the inference path's logits; rows whose
+    argmax is outside the draft vocabulary stay out of both."""
+    import torch.nn.functional as F
+
+    m = tiny_drafter(ttt=1)
+    ids, aux, teacher, tgt, mask = _batch(m, B=2, T=10)
+    tgt[0, 4] = int((~m.t2d).nonzero()[0])  # one target outside the draft vocab
+    soft = m(ids, aux, teacher, tgt, mask)["loss"]
+    m.config.hard_label_weight = 1.0
+    hard = m(ids, aux, teacher, tgt, mask)["loss"]
+    with torch.no_grad():
+        pos = torch.arange(10).expand(2, 10)
+        logits, _, _ = m.decode(_shift(ids, 1), m.fuse(aux), pos)  # [B, T, N]
+    b, t = _shift(mask, 2).bool().nonzero(as_tuple=True)
+    want_t = tgt[b, t + 1]
+    keep = m.t2d[want_t]
+    assert (~keep).sum() == 1
+    want = F.cross_entropy(logits[b, t][keep], m.target_to_draft(want_t[keep]), reduction="sum") / b.numel()
+    torch.testing.assert_close(hard, want, rtol=1e-5, atol=1e-5)
+    m.config.hard_label_weight = 0.25
+    torch.testing.assert_close(m(ids, aux, teacher, tgt, mask)["loss"], 0.75 * soft + 0.25 * hard, rtol=1e-5, atol=1e-5)
+    assert torch.equal(m.draft_to_target(m.target_to_draft(draft_ids(m.d2t))), draft_ids(m.d2t))

@@ -75,7 +75,9 @@ def world(tmp_path_factory, bins):
     for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
         input_ids[i, : len(s)], attn[i, : len(s)], loss_mask[i, : len(s)] = s, 1, m.long()
 
-    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=DRAFT_VOCAB)
+    # a draft MLP twice the target's, as eagle3_smollm2 trains it: llama.cpp must read the draft's own n_ff
+    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
+                                   intermediate_size=2 * target.config.intermediate_size)
     counts = torch.bincount(input_ids[attn.bool()], minlength=cfg.vocab_size)
     d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)  # holds every token of these sequences
     aux, _ = capture(target.model, input_ids, attn, cfg.aux_layer_ids)  # [B, T, 3H]
@@ -85,6 +87,7 @@ def world(tmp_path_factory, bins):
     draft_of[draft_ids(d2t)] = torch.arange(cfg.draft_vocab_size)
     teacher = torch.full((*input_ids.shape, cfg.draft_vocab_size), -20.0)  # [B, T, N]
     teacher.scatter_(-1, draft_of[nxt].clamp(min=0)[..., None], 20.0)
+    teacher = teacher.softmax(-1)  # the drafter trains on the teacher's distribution
     argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)  # [B, T]
 
     def new_drafter() -> Eagle3Drafter:
@@ -219,7 +222,8 @@ def test_gguf_equals_llama_cpp_converter(world, tmp_path):
     target.config.save_pretrained(tdir)
     target.tokenizer.save_pretrained(tdir)
     torch.manual_seed(1)
-    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=1024, aux_layer_ids=[3, 12, 25])
+    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=1024, aux_layer_ids=[3, 12, 25],
+                                   intermediate_size=2 * target.config.intermediate_size)
     d = Eagle3Drafter(cfg)
     d2t, t2d = build_vocab_mapping(torch.randint(0, 50, (cfg.vocab_size,)), cfg.draft_vocab_size)
     d.d2t.copy_(d2t)
@@ -239,6 +243,7 @@ def test_gguf_equals_llama_cpp_converter(world, tmp_path):
 
     a, b = read_gguf_metadata(ours), read_gguf_metadata(conv)
     assert a["eagle3.target_layers"] == b["eagle3.target_layers"] == (9, 5, [3, 12, 25])
+    assert a["eagle3.feed_forward_length"][2] == b["eagle3.feed_forward_length"][2] == 2 * target.config.intermediate_size
     for k in sorted(set(a) | set(b)):
         if k.startswith("general.") or k in ("eagle3.norm_before_fc", "tokenizer.ggml.add_space_prefix"):
             continue  # names/labels; norm_before_fc is false either way; add_space_prefix is false in both

@@ -140,6 +140,7 @@ def world(tmp_path_factory, bins):
     nxt = torch.roll(input_ids, -1, dims=1)  # [B, T] x_{j+1} at j
     teacher = torch.full((*input_ids.shape, model.config.vocab_size), -20.0)  # [B, T, V] sharp targets
     teacher.scatter_(-1, nxt[..., None], 20.0)
+    teacher = teacher.softmax(-1)  # the drafter trains on the teacher's distribution
     argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)  # [B, T]
 
     cfg = MtpConfig.from_target(model.config, num_modules=N_DRAFT, recursive=True, attention="chain")

@@ -60,7 +60,7 @@ def batch(B: int = 2, T: int = 12, seed: int = 2, vocab: int = V):
     last = torch.randn(B, T, H, generator=g)
     teacher = torch.randn(B, T, vocab, generator=g)
     mask = torch.ones(B, T, dtype=torch.long)
-    return ids, last, teacher, teacher.argmax(-1), mask
+    return ids, last, teacher.softmax(-1), teacher.argmax(-1), mask
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -121,7 +121,7 @@ def test_forward_counts_loss_and_mask(recursive: bool):
         logits = m.shared_head.head(m.shared_head.norm(out_k))  # [B, T, V]
         teach_k = torch.zeros_like(teacher)
         teach_k[:, 1 + k:] = logits[:, : 10 - 1 - k]
-        res = d(ids, last, teach_k.detach(), teach_k.argmax(-1), mask)
+        res = d(ids, last, teach_k.detach().softmax(-1), teach_k.argmax(-1), mask)
         assert res["correct"][k] == res["count"][k], f"depth {k}"
     with pytest.raises(ValueError, match="full target vocab"):
         d(ids, last, teacher[..., :50], tgt, mask)

@@ -6,8 +6,11 @@
 
 Shard `shard_{k:05d}.safetensors` holds samples [k*S, (k+1)*S) of the (deterministic) sample list,
 flattened over tokens: `input_ids` int32 [Ntok], `loss_mask` uint8 [Ntok], `aux` [Ntok, L*H],
-`last` [Ntok, H] (capture dtype), `offsets` int64 [n+1]. Teacher logits are not stored: they are
-recomputed from `last` with the frozen target head. Shards are written atomically and the manifest
+`last` [Ntok, H] (capture dtype), `offsets` int64 [n+1], and with `argmax=True` (drafters with a reduced
+vocabulary) `argmax` int32 [Ntok]: the target's full-vocabulary argmax at positions whose next token is
+supervised, -1 elsewhere. Teacher logits are not stored: they are recomputed from `last` with the frozen
+target head over the draft vocabulary only; the stored argmax spares each training pass the full-vocabulary
+matmul, which was ~15% of a default-recipe step. Shards are written atomically and the manifest
 (with sha256 and byte counts) is rewritten after each shard, so a killed capture resumes at the first
 missing shard without duplicating or losing samples.
 """
@@ -24,10 +27,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from drafthead.io import atomic_write_json, clean_stale_tmp
-from drafthead.target import Target, capture
+from drafthead.target import Target, capture, full_argmax, lm_head_weight
 
 MANIFEST = "manifest.json"
-FORMAT = "drafthead-capture-1"
+FORMAT = "drafthead-capture-2"  # 2: optional stored target argmax
 
 
 def collate(samples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -46,14 +49,22 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
 
 
 def features_for_batch(target: Target, batch: dict[str, torch.Tensor], layer_ids: list[int],
-                       dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Add `aux` [B, T, L*H] and `last` [B, T, H] (in `dtype`) to a collated batch."""
+                       dtype: torch.dtype, argmax: bool = False) -> dict[str, torch.Tensor]:
+    """Add `aux` [B, T, L*H] and `last` [B, T, H] (in `dtype`) to a collated batch, and with `argmax` the
+    target's full-vocabulary argmax [B, T] (long) where the next token is supervised (-1 elsewhere),
+    computed from `last` as stored, so online and offline batches agree."""
     dev = next(target.model.parameters()).device
     aux, last = capture(target.model, batch["input_ids"].to(dev), batch["attention_mask"].to(dev), layer_ids,
                         dtype=dtype)
     out = dict(batch)
     out["aux"] = aux if aux is not None else last.new_zeros(*last.shape[:-1], 0)  # no aux layers (MTP): [B, T, 0]
     out["last"] = last
+    if argmax:
+        need = torch.zeros_like(batch["loss_mask"], dtype=torch.bool, device=dev)  # [B, T]
+        need[:, :-1] = batch["loss_mask"][:, 1:].to(dev).bool()
+        top = torch.full(need.shape, -1, dtype=torch.long, device=dev)  # [B, T]
+        top[need] = full_argmax(lm_head_weight(target.model), last[need])
+        out["argmax"] = top
     return out
 
 
@@ -95,18 +106,19 @@ def verify_shards(folder: str | Path, manifest: dict, checksum: bool = True) -> 
 
 def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, layer_ids: list[int],
                     dtype: torch.dtype = torch.bfloat16, shard_samples: int = 256, batch_tokens: int = 4096,
-                    progress: bool = True) -> dict:
-    """Capture features for `samples` into `out_dir`, resuming where a previous run stopped."""
+                    progress: bool = True, argmax: bool = False) -> dict:
+    """Capture features for `samples` into `out_dir`, resuming where a previous run stopped. `argmax`:
+    also store the target's full-vocabulary argmax (see the module docstring)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(out)
     spec = {"format": FORMAT, "target": target.info(), "layer_ids": list(layer_ids), "dtype": str(dtype).split(".")[-1],
             "hidden_size": target.hidden_size, "num_samples": len(samples), "shard_samples": shard_samples,
-            "sample_ids": _ids_digest(samples)}
+            "sample_ids": _ids_digest(samples), "argmax": bool(argmax)}
     manifest = read_manifest(out)
     if manifest is not None:
         for k in ("format", "target", "layer_ids", "dtype", "hidden_size", "num_samples", "shard_samples",
-                  "sample_ids"):
+                  "sample_ids", "argmax"):
             if manifest.get(k) != spec[k]:
                 raise CaptureError(f"{out}: existing capture was made with {k}={manifest.get(k)!r}, this run has "
                                    f"{spec[k]!r}; use another capture.dir or delete it")
@@ -121,7 +133,7 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
     bar.update(sum(sh["num_tokens"] for sh in manifest["shards"]))
     for first in todo:
         chunk = samples[first: first + shard_samples]
-        tensors = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar)
+        tensors = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar, argmax)
         name = f"shard_{first // shard_samples:05d}.safetensors"
         tmp = out / f".{name}.tmp-w"
         save_file(tensors, str(tmp), metadata={"ids": json.dumps([s["id"] for s in chunk])})
@@ -147,9 +159,9 @@ def _ids_digest(samples: list[dict]) -> str:
 
 
 def _capture_chunk(target: Target, chunk: list[dict], layer_ids: list[int], dtype: torch.dtype,
-                   batch_tokens: int, pad_id: int, bar: tqdm) -> dict[str, torch.Tensor]:
+                   batch_tokens: int, pad_id: int, bar: tqdm, argmax: bool = False) -> dict[str, torch.Tensor]:
     order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["input_ids"]))  # less padding
-    per_sample: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    per_sample: dict[int, tuple[torch.Tensor, ...]] = {}
     i = 0
     while i < len(order):
         j, longest = i, 0
@@ -158,26 +170,30 @@ def _capture_chunk(target: Target, chunk: list[dict], layer_ids: list[int], dtyp
             longest = max(longest, len(chunk[order[j]]["input_ids"]))
             j += 1
         idx = order[i:j]
-        batch = features_for_batch(target, collate([chunk[k] for k in idx], pad_id), layer_ids, dtype)
+        batch = features_for_batch(target, collate([chunk[k] for k in idx], pad_id), layer_ids, dtype, argmax)
         for b, k in enumerate(idx):
             n = len(chunk[k]["input_ids"])
-            per_sample[k] = (batch["aux"][b, :n].cpu(), batch["last"][b, :n].cpu())
+            per_sample[k] = (batch["aux"][b, :n].cpu(), batch["last"][b, :n].cpu()) + (
+                (batch["argmax"][b, :n].to(torch.int32).cpu(),) if argmax else ())
             bar.update(n)
         i = j
     lens = [len(s["input_ids"]) for s in chunk]
     offsets = torch.zeros(len(chunk) + 1, dtype=torch.long)
     offsets[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return {
+    out = {
         "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int32) for s in chunk]),
         "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"], dtype=torch.uint8) for s in chunk]),
         "aux": torch.cat([per_sample[k][0] for k in range(len(chunk))]).contiguous(),
         "last": torch.cat([per_sample[k][1] for k in range(len(chunk))]).contiguous(),
         "offsets": offsets,
     }
+    if argmax:
+        out["argmax"] = torch.cat([per_sample[k][2] for k in range(len(chunk))])
+    return out
 
 
 class ShardedFeatures:
-    """Random access to captured samples: `feats[i]` -> dict(input_ids, loss_mask, aux, last)."""
+    """Random access to captured samples: `feats[i]` -> dict(input_ids, loss_mask, aux, last[, argmax])."""
 
     def __init__(self, folder: str | Path, checksum: bool = True) -> None:
         self.folder = Path(folder)
@@ -187,8 +203,12 @@ class ShardedFeatures:
         if not m.get("complete"):
             raise CaptureError(f"{self.folder}: capture is incomplete ({len(m['shards'])} shards); rerun "
                                f"`drafthead capture` with the same recipe to resume it")
+        if m.get("format") != FORMAT:
+            raise CaptureError(f"{self.folder}: capture format {m.get('format')!r}, this drafthead reads {FORMAT!r}; "
+                               f"delete it (or use another capture.dir) and capture again")
         verify_shards(self.folder, m, checksum=checksum)
         self.manifest = m
+        self.keys = ("input_ids", "loss_mask", "aux", "last") + (("argmax",) if m.get("argmax") else ())
         self.layer_ids = m["layer_ids"]
         self._handles: dict[str, Any] = {}
         self._index: list[tuple[str, int, int]] = []  # (file, start, end) per sample
@@ -208,7 +228,7 @@ class ShardedFeatures:
         if file not in self._handles:
             self._handles[file] = safe_open(str(self.folder / file), "pt")
         f = self._handles[file]
-        return {k: f.get_slice(k)[a:b] for k in ("input_ids", "loss_mask", "aux", "last")}
+        return {k: f.get_slice(k)[a:b] for k in self.keys}
 
 
 def collate_features(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -222,6 +242,11 @@ def collate_features(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> d
         n = it["input_ids"].shape[0]
         aux[b, :n], last[b, :n] = it["aux"], it["last"]
     batch["aux"], batch["last"] = aux, last
+    if "argmax" in items[0]:
+        top = torch.full((B, T), -1, dtype=torch.long)
+        for b, it in enumerate(items):
+            top[b, : it["argmax"].shape[0]] = it["argmax"].long()
+        batch["argmax"] = top
     return batch
 
 
@@ -244,7 +269,8 @@ def main(argv: list[str]) -> int:
     check_layer_ids(layer_ids, target.num_layers)
     out = Path(cfg.capture.dir or run_dir / "capture")
     m = capture_offline(target, prep.train, out, layer_ids, feature_dtype(cfg.capture.dtype),
-                        cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress)
+                        cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress,
+                        argmax=cfg.drafter.family in REDUCED_VOCAB)
     print(f"captured {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards -> {out}\n"
           f"next: python train.py recipe={cfg.recipe} capture.mode=offline capture.dir={out}")
     return 0

@@ -69,6 +69,7 @@ class DrafterConfig:
     draft_vocab_size: int = 32000  # eagle3 (MTP predicts over the full target vocab)
     ttt_steps: int = 7  # eagle3
     step_decay: float = 0.8  # eagle3
+    hard_label_weight: float = 0.0  # eagle3: mix lambda of a one-hot on the target argmax into the soft target
     feature_loss_weight: float = 0.0  # eagle3: > 0 adds EAGLE-1's regression of the draft hidden onto the target's
     intermediate_size: int | None = None  # null = the target's
     num_modules: int = 1  # mtp: depths K trained (predicting x_{t+2} .. x_{t+1+K})
@@ -208,6 +209,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'data.max_length': {cfg.data.max_length} (must be >= 8)")
     if cfg.drafter.ttt_steps < 1:
         raise ConfigError("bad value for 'drafter.ttt_steps': must be >= 1")
+    if not 0 <= cfg.drafter.hard_label_weight <= 1:
+        raise ConfigError(f"bad value for 'drafter.hard_label_weight': {cfg.drafter.hard_label_weight} "
+                          "(must be in [0, 1])")
     if cfg.drafter.feature_loss_weight < 0:
         raise ConfigError(f"bad value for 'drafter.feature_loss_weight': {cfg.drafter.feature_loss_weight} "
                           "(must be >= 0)")

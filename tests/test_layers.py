@@ -1,0 +1,46 @@
+"""drafthead/layers.py: the fused soft cross-entropy and the floored softmax against plain PyTorch."""
+import pytest
+import torch
+
+from drafthead.layers import EXP_FLOOR, soft_cross_entropy, softmax_floored
+
+
+def reference(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    return -(probs * logits.float().log_softmax(-1)).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_value_and_gradient_match_autograd(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 300, generator=g) * 8).to(dtype).requires_grad_()
+    probs = (torch.randn(37, 300, generator=g) * 5).softmax(-1)
+    w = torch.rand(37, generator=g)
+    keep = logits.detach().clone()
+    ce = soft_cross_entropy(logits, probs)
+    assert ce.shape == (37,) and ce.dtype == torch.float32
+    (got,) = torch.autograd.grad((ce * w).sum(), logits)
+    assert torch.equal(logits.detach(), keep)  # the caller's logits are not overwritten (fp32 case)
+    ref_logits = logits.detach().clone().requires_grad_()
+    ref = reference(ref_logits, probs)
+    (want,) = torch.autograd.grad((ref * w).sum(), ref_logits)
+    torch.testing.assert_close(ce, ref, rtol=1e-5, atol=1e-5)
+    assert got.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_soft_cross_entropy_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"logits \(2, 5\) vs probs \(2, 4\)"):
+        soft_cross_entropy(torch.zeros(2, 5), torch.zeros(2, 4))
+
+
+def test_floored_softmax_has_no_denormals_and_equals_softmax():
+    x = torch.randn(16, 4000) * 60  # rows spanning thousands of nats: a plain softmax underflows
+    plain = x.softmax(-1)
+    tiny = torch.finfo(torch.float32).tiny  # smallest normal
+    assert ((plain > 0) & (plain < tiny)).any()  # the plain one has denormals here
+    got = softmax_floored(x)
+    assert not ((got > 0) & (got < tiny)).any() and (got > 0).all()
+    torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-20)
+    torch.testing.assert_close(got.sum(-1), torch.ones(16))
+    assert got.min() >= torch.tensor(EXP_FLOOR).exp() / 4000 * 0.99
