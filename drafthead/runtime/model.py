@@ -151,7 +151,9 @@ class TargetModel:
         ck, cv = self.layer_kv(cache, i)
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
-        o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling)  # [B, h, T, D]
+        # generated bf16 tokens on CPU: one query per SDPA call, so a verify block rounds like single steps
+        per_query = not prefill and x.device.type == "cpu" and x.dtype == torch.bfloat16
+        o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
         h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
         mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h)
         gate, up = self.linear(mlp.gate_proj, x, prefill), self.linear(mlp.up_proj, x, prefill)  # [B, T, I]
@@ -174,14 +176,32 @@ class TargetModel:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+QUERY_BLOCK = 16  # queries per CPU SDPA call for generated bf16 tokens (see attend)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           per_query: bool = False) -> torch.Tensor:
     """SDPA with GQA whose per-query result does not depend on the number of queries T.
 
     q [B, h, T, D], k/v [B, kvh, S, D], mask [B, 1, T, S] -> [B, h, T, D]. A lone query is sent as two
     copies: CPU SDPA has a separate q_len-1 kernel that can round differently (by one bf16 ulp, on real
     SmolLM2 activations; tests/assets/sdpa_q1_case.safetensors), which is enough to flip a near-tie argmax.
+    `per_query`: every query goes through that same two-row call on its own. On the AMD EPYC machines of
+    session 7 CPU SDPA's result for a query also changed with the number of queries in the call (no row of
+    a real SmolLM2 verify block of 10 matched single steps), so the runtime sets it for generated bf16 CPU
+    tokens; T small calls instead of one.
     """
     T = q.shape[2]
+    if per_query:  # every call has QUERY_BLOCK queries (the last one repeated), whatever T is
+        outs = []
+        for s0 in range(0, T, QUERY_BLOCK):
+            qs, ms = q[:, :, s0: s0 + QUERY_BLOCK], mask[:, :, s0: s0 + QUERY_BLOCK]
+            n = qs.shape[2]
+            if n < QUERY_BLOCK:
+                qs = torch.cat([qs, qs[:, :, -1:].expand(-1, -1, QUERY_BLOCK - n, -1)], 2)
+                ms = torch.cat([ms, ms[:, :, -1:].expand(-1, -1, QUERY_BLOCK - n, -1)], 2)
+            outs.append(F.scaled_dot_product_attention(qs, k, v, attn_mask=ms, scale=scale, enable_gqa=True)[:, :, :n])
+        return torch.cat(outs, 2)
     if T == 1:  # q as a copy (a stride-0 view takes the q_len-1 kernel too); the mask can stay a view
         q, mask = q.repeat(1, 1, 2, 1), mask.expand(-1, -1, 2, -1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :T]
