@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
+from drafthead.vocab import target_to_draft
 
 
 @dataclass
@@ -159,10 +160,6 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
         return idx + self.d2t[idx]
 
-    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
-        """Draft index of target ids that are in the draft vocabulary (t2d true)."""
-        return self.t2d.cumsum(0)[ids] - 1
-
     # ---- training: unrolled training-time test -------------------------------------------------
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
                 target_argmax: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int | None = None,
@@ -221,7 +218,7 @@ class Eagle3Drafter(nn.Module):
             if c.hard_label_weight > 0:  # sharpen towards the argmax that acceptance is scored on
                 teach = teach.mul_(1 - c.hard_label_weight)  # a fresh gathered copy: in place is safe
                 rows = in_vocab.nonzero(as_tuple=True)[0]
-                teach[rows, self.target_to_draft(tgt[rows])] += c.hard_label_weight
+                teach[rows, target_to_draft(self.t2d)[tgt[rows]]] += c.hard_label_weight
             ce = soft_cross_entropy(logits, teach)  # [M]
             n = max(int(b_idx.numel()), 1)
             li = (ce * in_vocab).sum() / n

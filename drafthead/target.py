@@ -185,6 +185,9 @@ class TargetHead(nn.Module):
         self.full = draft_token_ids is None
         ids = torch.arange(lm_head.shape[0]) if self.full else draft_token_ids.long().clone()
         self.register_buffer("draft_ids", ids, persistent=False)  # [N]
+        # the N draft rows, gathered once: a second, small matmul beats gathering N columns of the full
+        # logits (measured on CPU)
+        self.register_buffer("draft_weight", None if self.full else self.weight[ids], persistent=False)  # [N, H]
         self.chunk = chunk
 
     @torch.no_grad()
@@ -192,19 +195,10 @@ class TargetHead(nn.Module):
         """hidden [M, H] -> (logits over draft vocab [M, N] fp32, full-vocab argmax [M] or None when
         `argmax=False`, i.e. when the capture stored it)."""
         h = hidden.to(self.weight.dtype)
-        if not argmax and not self.full:  # only the N draft rows: ~6x less work than the full vocab
-            w = self.weight[self.draft_ids]  # [N, H]
-            logits = [(h[s: s + self.chunk] @ w.T).float() for s in range(0, h.shape[0], self.chunk)]
-            return (torch.cat(logits) if logits else h.new_zeros(0, w.shape[0], dtype=torch.float32)), None
-        draft_w = None if self.full else self.weight[self.draft_ids]  # [N, H]
-        logits, top = [], []
-        for s in range(0, h.shape[0], self.chunk):
-            hc = h[s: s + self.chunk]
-            full = hc @ self.weight.T  # [m, V]
-            top.append(full.max(-1).indices)  # [m]  as full_argmax
-            # a second, small matmul beats gathering N columns out of `full` (measured on CPU)
-            logits.append(full.float() if self.full else (hc @ draft_w.T).float())  # [m, N]
-        if not logits:
-            return (h.new_zeros(0, self.draft_ids.numel(), dtype=torch.float32),
-                    h.new_zeros(0, dtype=torch.long) if argmax else None)
-        return torch.cat(logits), (torch.cat(top) if argmax else None)
+        w = self.weight if self.full else self.draft_weight  # [N, H]
+        chunks = [(h[s: s + self.chunk] @ w.T).float() for s in range(0, h.shape[0], self.chunk)]  # [m, N] each
+        logits = torch.cat(chunks) if chunks else h.new_zeros(0, w.shape[0], dtype=torch.float32)
+        if not argmax:
+            return logits, None
+        # a full head has the argmax in its logits (bf16 -> fp32 is exact, so the same first maximum)
+        return logits, (logits.max(-1).indices if self.full else full_argmax(self.weight, h, self.chunk))

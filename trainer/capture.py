@@ -238,14 +238,14 @@ def collate_features(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> d
     B, T = batch["input_ids"].shape
     aux = items[0]["aux"].new_zeros(B, T, items[0]["aux"].shape[-1])
     last = items[0]["last"].new_zeros(B, T, items[0]["last"].shape[-1])
+    top = torch.full((B, T), -1, dtype=torch.long) if "argmax" in items[0] else None  # stored target argmax
     for b, it in enumerate(items):
         n = it["input_ids"].shape[0]
         aux[b, :n], last[b, :n] = it["aux"], it["last"]
+        if top is not None:
+            top[b, :n] = it["argmax"].long()
     batch["aux"], batch["last"] = aux, last
-    if "argmax" in items[0]:
-        top = torch.full((B, T), -1, dtype=torch.long)
-        for b, it in enumerate(items):
-            top[b, : it["argmax"].shape[0]] = it["argmax"].long()
+    if top is not None:
         batch["argmax"] = top
     return batch
 

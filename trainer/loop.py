@@ -174,13 +174,13 @@ def retain_freed_memory() -> bool:
     except OSError:  # not glibc
         return False
     M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
-    global _RETAINING
-    _RETAINING = bool(libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
-                      and libc.mallopt(M_TOP_PAD, 64 << 20))
-    return _RETAINING
+    global _LIBC
+    if libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) and libc.mallopt(M_TOP_PAD, 64 << 20):
+        _LIBC = libc
+    return _LIBC is not None
 
 
-_RETAINING = False
+_LIBC = None  # glibc, once retain_freed_memory took effect
 
 
 def trim_freed_memory() -> bool:
@@ -188,11 +188,7 @@ def trim_freed_memory() -> bool:
     fragment a heap that never shrinks: a 53-minute default run without this peaked at 15.3 GB RSS. The
     trainer calls it after each evaluation and checkpoint, so the next step's page faults are paid once per
     hundred steps rather than every step. No-op unless `retain_freed_memory` took effect."""
-    if not _RETAINING:
-        return False
-    import ctypes
-
-    return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    return _LIBC is not None and bool(_LIBC.malloc_trim(0))
 
 
 def autocast(dtype: str, device: torch.device, engine_kind: str):

@@ -151,7 +151,7 @@ class TargetModel:
         ck, cv = self.layer_kv(cache, i)
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
-        # generated bf16 tokens on CPU: one query per SDPA call, so a verify block rounds like single steps
+        # generated bf16 tokens on CPU: SDPA calls of a fixed query count, so a verify block rounds like single steps
         per_query = not prefill and x.device.type == "cpu" and x.dtype == torch.bfloat16
         o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
         h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
@@ -186,10 +186,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     q [B, h, T, D], k/v [B, kvh, S, D], mask [B, 1, T, S] -> [B, h, T, D]. A lone query is sent as two
     copies: CPU SDPA has a separate q_len-1 kernel that can round differently (by one bf16 ulp, on real
     SmolLM2 activations; tests/assets/sdpa_q1_case.safetensors), which is enough to flip a near-tie argmax.
-    `per_query`: every query goes through that same two-row call on its own. On the AMD EPYC machines of
-    session 7 CPU SDPA's result for a query also changed with the number of queries in the call (no row of
-    a real SmolLM2 verify block of 10 matched single steps), so the runtime sets it for generated bf16 CPU
-    tokens; T small calls instead of one.
+    `per_query`: every call has exactly QUERY_BLOCK queries (the last one repeated to fill it), whatever T
+    is. On the AMD EPYC machines of session 7 CPU SDPA's result for a query also changed with the number of
+    queries in the call (no row of a real SmolLM2 verify block of 10 matched single steps), so the runtime
+    sets it for generated bf16 CPU tokens; one call per 16 queries, at about the cost of an unpadded call.
     """
     T = q.shape[2]
     if per_query:  # every call has QUERY_BLOCK queries (the last one repeated), whatever T is
