@@ -1,13 +1,14 @@
 """Train a speculative-decoding draft head for a frozen target.
 
-    python train.py                                          # embedded default: eagle3_smollm2, 1 CPU process
+    python train.py                                          # embedded default: eagle3_smollm2, 1 CPU process, 60 min
     python train.py recipe=eagle3_smollm2 data.max_samples=16 train.max_steps=4
     torchrun --nproc_per_node 8 train.py recipe=eagle3_qwen  # GPU node, DeepSpeed ZeRO-2
     torchrun --nproc_per_node 2 train.py train.deepspeed=zero2   # CPU: DS_ACCELERATOR=cpu is set for you
     torchrun --nnodes 2 --node_rank R --master_addr HOST --nproc_per_node 8 train.py recipe=eagle3_llama
 
-Reads top to bottom: config -> distributed -> frozen target -> data -> draft vocab -> drafter ->
-features (online or offline) -> engine (DDP / DeepSpeed) -> resume -> loop -> final draft.
+Reads top to bottom: config -> distributed -> frozen target -> time budget (measure, plan) -> data ->
+drafter and its vocab -> features (online or offline; the plan's passes re-fitted) -> engine (DDP /
+DeepSpeed) -> resume -> loop -> final draft.
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
 
-from drafthead.registry import REDUCED_VOCAB, build_for_target, init_for_target, num_steps, save_draft
-from drafthead.target import TargetHead, lm_head_weight, load_target
-from drafthead.vocab import build_vocab_mapping, count_tokens, draft_ids
+from drafthead.registry import num_steps, save_draft
+from drafthead.target import load_target
 from trainer import loop as L
+from trainer.budget import budget_record, plan_run, refit_after_capture
 from trainer.capture import CaptureError, ShardedFeatures, capture_offline
 from trainer.config import as_dict, parse_or_exit, to_yaml
-from trainer.prepare import feature_dtype, prepare_samples
+from trainer.prepare import build_draft, feature_dtype, prepare_samples
 from drafthead.io import atomic_write_bytes
 from trainer.data import write_jsonl
 
@@ -45,47 +46,43 @@ def main(argv: list[str]) -> Path:
     log = print if d.main else (lambda *a, **k: None)
     if d.main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(run_dir / "config.yaml", to_yaml(cfg).encode())  # the resolved recipe
     L.barrier(d)
     t_start = time.perf_counter()
+    phases: dict[str, float] = {}  # wall seconds per phase, planned vs actual in the final record
 
     # --- frozen target (loaded once per process) -------------------------------------------------
     target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype, d.device)
     log(f"target: {cfg.target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, "
         f"vocab {target.config.vocab_size}) on {d.device}, world size {d.world}")
 
+    # --- time budget: measure this machine, then fill data.max_samples / train.epochs where null ----
+    plan = plan_run(cfg, target, d, run_dir, t_start, log)
+    if d.main:
+        atomic_write_bytes(run_dir / "config.yaml", to_yaml(cfg).encode())  # the resolved recipe, plan applied
+    phases["setup"] = time.perf_counter() - t_start
+
     # --- data ------------------------------------------------------------------------------------
     prep = prepare_samples(cfg, target, d, run_dir, log)
     if d.main:
         write_jsonl(prep.heldout_convs, run_dir / "heldout.jsonl")
 
-    # --- draft vocabulary from loss-masked training tokens (EAGLE3; MTP predicts the full vocab) ---
+    # --- drafter (and its vocabulary, from the loss-masked training tokens) -----------------------
     family = cfg.drafter.family
-    d2t = t2d = None
-    if family in REDUCED_VOCAB:
-        counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in prep.train), target.config.vocab_size)
-        d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
-        covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
-        log(f"draft vocab: {d2t.numel()} tokens cover {covered:.1%} of {counts.sum().item()} assistant tokens")
-
-    # --- drafter ---------------------------------------------------------------------------------
-    drafter = build_for_target(family, target.config, cfg.drafter, cfg.capture.layer_ids,
-                               None if d2t is None else d2t.numel())
-    dcfg = drafter.config
-    init = init_for_target(drafter, target, cfg.drafter, d2t, t2d)
-    drafter.to(d.device).train()
-    head = TargetHead(lm_head_weight(target.model), None if d2t is None else draft_ids(d2t)).to(d.device)
+    ds = build_draft(cfg, target, prep.train, d.device, log)
+    drafter, head, dcfg = ds.drafter, ds.head, ds.drafter.config
     layer_ids = drafter.capture_layer_ids()
     feat_dtype = feature_dtype(cfg.capture.dtype)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     K = num_steps(dcfg)
     log(f"drafter: {family}, {n_params / 1e6:.1f}M trainable params, " + (
         f"aux layers {layer_ids}, TTT {K} steps" if family == "eagle3" else
-        f"{K} depths ({'one module applied K times' if dcfg.recursive else f'{K} modules'}), init {init}"))
+        f"{K} depths ({'one module applied K times' if dcfg.recursive else f'{K} modules'}), init {ds.init}"))
+
+    phases["prepare"] = time.perf_counter() - t_start - phases["setup"]
 
     # --- features: online (captured in the step) or offline (sharded safetensors) -----------------
     offline = cfg.capture.mode == "offline"
-    store_argmax = family in REDUCED_VOCAB  # the teacher head then computes only the draft-vocab rows
+    store_argmax = ds.d2t is not None  # the teacher head then computes only the draft-vocab rows
     if offline:
         cap_dir = Path(cfg.capture.dir or run_dir / "capture")
         if d.main:
@@ -103,10 +100,14 @@ def main(argv: list[str]) -> Path:
     eval_batches = [L.make_batch(eval_items[i: i + cfg.train.batch_size], target, layer_ids, feat_dtype, False,
                                  d.device, store_argmax) for i in range(0, len(eval_items), cfg.train.batch_size)]
 
+    phases["capture"] = time.perf_counter() - t_start - phases["setup"] - phases["prepare"]
+    plan = refit_after_capture(plan, cfg, d, run_dir, time.perf_counter() - t_start, len(lengths), sum(lengths), log)
+
     # --- engine: plain / DDP / DeepSpeed ---------------------------------------------------------
     per_epoch = len(L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, 0, d.world, d.rank,
                                     cfg.train.batch_tokens))
-    total_steps = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * per_epoch / cfg.train.grad_accum))
+    epochs = cfg.train.epochs or 1.0
+    total_steps = cfg.train.max_steps or max(1, math.ceil(epochs * per_epoch / cfg.train.grad_accum))
     engine = L.build_engine(drafter, cfg, total_steps, d)
     logger = L.Logger(run_dir, cfg, d, as_dict(cfg))
 
@@ -121,6 +122,9 @@ def main(argv: list[str]) -> Path:
         state = L.load_checkpoint(ckpts[-1], engine, d)
         step = state["step"]
         log(f"resumed from {ckpts[-1]} (step {step}, epoch {state['epoch']}, batch {state['batch_in_epoch']})")
+
+    if plan is not None and step == 0:
+        logger.log({"step": 0, "budget_plan": plan.to_dict()})
 
     # --- training loop ---------------------------------------------------------------------------
     from tqdm import tqdm
@@ -139,9 +143,7 @@ def main(argv: list[str]) -> Path:
         for bi in range(state["batch_in_epoch"], len(batches)):
             batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline, d.device,
                                  store_argmax)
-            with L.autocast(cfg.train.dtype, d.device, engine.kind):
-                out = engine.forward(**L.drafter_inputs(batch, head, drafter))
-            engine.backward(out["loss"])
+            out = L.forward_backward(engine, batch, head, cfg.train.dtype, d.device)
             ntok = int(batch["attention_mask"].sum())
             tput.add(ntok)
             state["tokens_seen"] += ntok
@@ -184,6 +186,11 @@ def main(argv: list[str]) -> Path:
         else:
             state.update(epoch=state["epoch"] + 1, batch_in_epoch=0)
     bar.close()
+    phases["train"] = time.perf_counter() - t_start - sum(phases.values())
+    phases["total"] = time.perf_counter() - t_start  # of this process (a resumed run counts from its restart)
+    budget_rec = budget_record(plan, phases, step, sum(lengths))
+    if plan is not None and step >= total_steps:
+        logger.log({"step": step, "budget": budget_rec})  # planned vs actual, beside the plan row at step 0
     logger.close()
 
     # --- final draft -----------------------------------------------------------------------------
@@ -194,7 +201,8 @@ def main(argv: list[str]) -> Path:
                 save_draft(engine.module, final, target.info(),
                            extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.world,
                                             "recipe": cfg.recipe, "wall_s": round(time.perf_counter() - t_start, 1),
-                                            **last_eval}})
+                                            **last_eval},
+                                  "budget": budget_rec})
         log(f"\ndraft saved to {final}\nnext: drafthead eval draft={final} dataset=mt_bench max_prompts=10")
     else:
         log(f"\nstopped at step {step} of {total_steps}; run the same command again to resume")
@@ -205,7 +213,7 @@ def main(argv: list[str]) -> Path:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ValueError, FileNotFoundError, CaptureError) as e:  # bad input: one clear line
+    except (ValueError, FileNotFoundError, CaptureError) as e:  # bad input (BudgetError too): one clear line
         if os.environ.get("DRAFTHEAD_TRACEBACK"):
             raise
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

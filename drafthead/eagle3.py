@@ -150,7 +150,7 @@ class Eagle3Drafter(nn.Module):
                          final_norm: torch.Tensor | None = None) -> None:
         """Copy the target's embedding (frozen) and, optionally, its lm_head rows of the draft vocabulary
         and its final norm (`drafter.init_head_from_target`; on the default recipe it learned slower
-        than a random head, see the README table)."""
+        than a random head, see docs/experiment_log.md, row B)."""
         self.embed_tokens.weight.copy_(embed)
         if lm_head is not None:
             self.lm_head.weight.copy_(lm_head[self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)])

@@ -62,12 +62,14 @@ def resolve_target(name_or_path: str, gguf_file: str | None = None) -> tuple[str
 
 def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "auto",
                 device: str | torch.device = "cpu") -> Target:
-    """Load a frozen target once. dtype 'auto' = bf16 on CUDA, fp32 on CPU."""
+    """Load a frozen target once. dtype 'auto' = bf16 where bf16 is native (CUDA, AMX / AVX512-BF16 CPUs),
+    fp32 elsewhere (`drafthead.hardware.resolve_dtype`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from drafthead.hardware import resolve_dtype_name
+
     path, gguf = resolve_target(name_or_path, gguf_file)
-    if dtype == "auto":
-        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    dtype = resolve_dtype_name(dtype, device, "target")
     kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
     if gguf and dtype != "float32":
         # transformers keeps GGUF weights packed and computes in fp32; for bf16, dequantize once so the

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
+from drafthead.hardware import DTYPES
 from eval.acceptance import generate_samples, warmup
 from eval.datasets import DATASETS, load_eval_dataset
 from eval.report import build_report, machine_info, write_report
 
 MODES = ("ar", "chain", "tree", "ngram")
-DTYPES = ("auto", "float32", "bfloat16")
 NONE_WORDS = ("none", "None", "null", "")
 
 
@@ -46,7 +46,7 @@ class EvalConfig:
     seed: int = 0
     batch_size: int = 1
     device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # target and draft weights: auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    dtype: str = "auto"  # target and draft weights: auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16
     threads: int | None = None  # torch CPU threads (default: torch's)
     progress: bool = True
 

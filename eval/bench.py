@@ -47,7 +47,7 @@ class BenchConfig:
     verify_prefix: int = 256  # cached prefix length of the verify-cost curve
     verify_repeats: int = 5
     device: str = "auto"
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16; HF generate runs the same weights
+    dtype: str = "auto"  # auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16; HF generate runs the same weights
     threads: int | None = None
     out: str | None = None  # bench.json path, or a directory to write bench.json into
     progress: bool = True

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from drafthead import hardware
 from drafthead.io import atomic_write_bytes, atomic_write_json
 from eval.acceptance import Generation, acceptance_rate_by_position, by_category, compare_outputs, summarize
 
@@ -39,7 +40,8 @@ DEFINITIONS = {
 def machine_info(device: str | torch.device) -> dict:
     dev = torch.device(device)
     info = {"device": str(dev), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count()}
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            **hardware.describe(dev)}
     if dev.type == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(dev)
     try:
@@ -116,7 +118,8 @@ def render_markdown(r: dict) -> str:
              f"draft `{st.get('draft')}` on target `{st.get('target')}`, mode `{spec.get('mode')}`, "
              f"{r['num_prompts']} prompts ({r['num_generations']} turns), max_new_tokens "
              f"{st.get('max_new_tokens')}, temperature {spec.get('temperature')}, device "
-             f"{st.get('machine', {}).get('device')}, {st.get('machine', {}).get('torch_threads')} torch threads.",
+             f"{st.get('machine', {}).get('device')} (CPU class {st.get('machine', {}).get('cpu_class')}), "
+             f"{st.get('machine', {}).get('torch_threads')} torch threads, dtype {st.get('dtype')}.",
              "", f"**{r['verdict']}**", "",
              "| metric | value |", "|---|---|"]
     for k in ("acceptance_length", "mean_accepted_per_round", "tokens_per_s", "baseline_tokens_per_s", "speedup",

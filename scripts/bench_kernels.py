@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from drafthead import hardware  # noqa: E402
 from drafthead.kernels import reference as ref  # noqa: E402
 from drafthead.kernels import verify  # noqa: E402
 
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator(device=device).manual_seed(0)  # inputs are made on the device (150k-vocab probs are GBs)
     rows, failed = [], 0
     header = f"{'kernel':<16} {'shape':<34} {'triton ms':>10} {'torch ms':>10} {'speedup':>8}  check"
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}\n{header}\n{'-' * len(header)}")
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
+          f"CPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()})\n{header}\n{'-' * len(header)}")
     t_start = time.perf_counter()
     for name, prm in cases(args.quick, args.cpu):
         kernel, reference, check = build(name, prm, device, g)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from drafthead import hardware
 from drafthead.assets import asset_path
 from drafthead.export import export
 from drafthead.export.llama_cpp import (chat_prompt, default_threads, llama_cpp_bin, run_speculative, run_target,
@@ -147,7 +148,8 @@ def main(argv: list[str]) -> int:
         else "skipped: ours=false"
 
     f = lambda x, nd=2: "n/a" if x is None else f"{x:.{nd}f}"  # noqa: E731
-    print(f"\ntarget alone (llama.cpp): {base_tok_s:.1f} tok/s decode")
+    print(f"\nCPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()}), {cfg.threads} threads")
+    print(f"target alone (llama.cpp): {base_tok_s:.1f} tok/s decode")
     print(f"{'n_draft':>7} {'accept':>7} {'tau':>6} {'tok/s':>7} {'speedup':>8} {'pred tok/s':>10} "
           f"{'=alone':>6} {'=n1':>5} | {'ours tau':>8} {'ours tok/s':>10}")
     for k, r in rows.items():

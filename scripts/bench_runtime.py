@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from drafthead import hardware
 from drafthead.runtime import SpecConfig, SpeculativeGenerator, TargetModel
 from drafthead.target import load_target
 
@@ -70,7 +71,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--prefix", type=int, default=256, help="cached tokens before the verify block")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                    help="target dtype (auto: fp32 on CPU, bf16 on CUDA)")
+                    help="target dtype (auto: bf16 where native, fp32 elsewhere)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -81,7 +82,7 @@ def main() -> None:
     prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
     gen = SpeculativeGenerator(target)
     res = {"threads": torch.get_num_threads(), "prompt_tokens": len(prompt),
-           "dtype": str(next(target.model.parameters()).dtype)}
+           "dtype": str(next(target.model.parameters()).dtype), **hardware.describe()}
     res.update(bench_generate(target, gen, prompt, args.new, args.reps))
     tm = TargetModel(target.model, aux_layer_ids=[2, target.num_layers // 2, target.num_layers - 3])
     res["verify_ms"] = bench_verify(tm, args.prefix, [1, 2, 4, 8, 16, 32, 64], args.reps)

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from drafthead.hardware import cpu_capability, cpu_class, resolve_dtype_name
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
 from eval import load_models
@@ -30,7 +31,8 @@ def main() -> None:
     ap.add_argument("--draft", default="runs/eagle3_smollm2/final")
     ap.add_argument("--questions", type=int, default=8)
     ap.add_argument("--new", type=int, default=128, help="max new tokens per turn")
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="target dtype (auto: bf16 where native, fp32 elsewhere)")
     ap.add_argument("--k", type=int, default=2, help="draft chain length (num_draft_tokens)")
     ap.add_argument("--no-ngram", action="store_true", help="do not stack prompt lookup on the draft")
     ap.add_argument("--hf-fp32", action="store_true", help="also time HF generate on fp32 weights")
@@ -38,6 +40,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
 
+    a.dtype = resolve_dtype_name(a.dtype, "cpu", "target")
     target, drafter = load_models(a.draft, None, None, "cpu", a.dtype)
     tok = target.tokenizer
     gen = SpeculativeGenerator(target, drafter)
@@ -77,7 +80,7 @@ def main() -> None:
     rate = {n: toks[n] / secs[n] for n in methods}
     hf = rate[f"HF generate ({a.dtype})"]
     print(f"MT-Bench {a.questions} questions x 2 turns, {a.new} new tokens, {a.dtype} target, {a.threads} threads, "
-          "interleaved per turn")
+          f"interleaved per turn, CPU class {cpu_class()} (capability {cpu_capability()})")
     hf32 = rate.get("HF generate (float32)") if a.dtype != "float32" else None
     print(f"{'method':28s} {'tok/s':>7s} {'vs our AR':>10s} {'vs HF':>7s}" + (f" {'vs HF fp32':>11s}" if hf32 else ""))
     for n in methods:

@@ -20,14 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from drafthead.eagle3 import Eagle3Config  # noqa: E402
-from drafthead.registry import build_drafter  # noqa: E402
-from drafthead.target import TargetHead, load_target, lm_head_weight  # noqa: E402
-from drafthead.vocab import build_vocab_mapping, count_tokens, draft_ids  # noqa: E402
+from drafthead.hardware import cpu_capability, cpu_class, resolve_dtype_name  # noqa: E402
+from drafthead.registry import num_steps  # noqa: E402
+from drafthead.target import load_target  # noqa: E402
 from trainer import loop as L  # noqa: E402
 from trainer.capture import collate, features_for_batch  # noqa: E402
 from trainer.config import parse_or_exit  # noqa: E402
-from trainer.prepare import feature_dtype, prepare_samples  # noqa: E402
+from trainer.prepare import build_draft, feature_dtype, prepare_samples  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -43,17 +42,8 @@ def main(argv: list[str]) -> None:
     d = L.Dist()
     target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
     prep = prepare_samples(cfg, target, d, Path("/tmp"), log=lambda *a: None)
-    counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in prep.train), target.config.vocab_size)
-    d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
-    dcfg = Eagle3Config.from_target(target.config, d2t.numel(), cfg.capture.layer_ids,
-                                    ttt_steps=cfg.drafter.ttt_steps, intermediate_size=cfg.drafter.intermediate_size)
-    drafter = build_drafter(cfg.drafter.family, dcfg)
-    with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
-        drafter.d2t.copy_(d2t)
-        drafter.t2d.copy_(t2d)
-    drafter.train()
-    head = TargetHead(lm_head_weight(target.model), draft_ids(d2t))
+    ds = build_draft(cfg, target, prep.train, d.device, log=lambda *a: None)
+    drafter, head, dcfg, d2t = ds.drafter, ds.head, ds.drafter.config, ds.d2t
     engine = L.TorchEngine(drafter, cfg, 1000, d)
     fdt = feature_dtype(cfg.capture.dtype)
     layer_ids = drafter.capture_layer_ids()
@@ -79,9 +69,7 @@ def main(argv: list[str]) -> None:
         feats[id(b)] = features_for_batch(target, b, layer_ids, fdt, argmax=True)  # what capture stores
 
     def train_step(fb):
-        with L.autocast(cfg.train.dtype, d.device, engine.kind):
-            out = engine.forward(**L.drafter_inputs(fb, head))
-        engine.backward(out["loss"])
+        L.forward_backward(engine, fb, head, cfg.train.dtype, d.device)
         engine.step()
 
     # two rounds, best of each: the first thing timed on this CPU ran ~25% slow whatever it was (frequency /
@@ -94,9 +82,10 @@ def main(argv: list[str]) -> None:
         best["online"] = max(best["online"], timed(lambda b: train_step(features_for_batch(target, b, layer_ids, fdt, argmax=True))))
     fwd_tps, cap_tps, train_tps, online_tps = best["fwd"], best["cap"], best["train"], best["online"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"recipe {cfg.recipe}: target {cfg.target.name_or_path} ({cfg.target.dtype}), draft vocab {d2t.numel()}, "
-          f"TTT {dcfg.ttt_steps}, batch {bs} x <= {cfg.data.max_length} tokens, train dtype {cfg.train.dtype}, "
-          f"threads {torch.get_num_threads()}")
+    print(f"recipe {cfg.recipe}: target {cfg.target.name_or_path} ({resolve_dtype_name(cfg.target.dtype, quiet=True)}), "
+          f"draft vocab {d2t.numel() if d2t is not None else 'full'}, K {num_steps(dcfg)}, batch {bs} x <= {cfg.data.max_length} tokens, "
+          f"train dtype {resolve_dtype_name(cfg.train.dtype, quiet=True)}, threads {torch.get_num_threads()}, "
+          f"CPU class {cpu_class()} (capability {cpu_capability()})")
     print(f"target forward      {fwd_tps:8.0f} tok/s")
     print(f"capture (3 layers)  {cap_tps:8.0f} tok/s")
     print(f"draft train step    {train_tps:8.0f} tok/s   (features given)")

@@ -20,12 +20,12 @@ LAYERS = [1, 2, 3]
 
 @pytest.fixture(scope="module")
 def llama(tiny_llama_dir):
-    return load_target(str(tiny_llama_dir))
+    return load_target(str(tiny_llama_dir), dtype="float32")
 
 
 @pytest.fixture(scope="module")
 def qwen3(tiny_qwen3_dir):
-    return load_target(str(tiny_qwen3_dir))
+    return load_target(str(tiny_qwen3_dir), dtype="float32")
 
 
 @pytest.fixture(scope="module")

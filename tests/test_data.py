@@ -455,7 +455,9 @@ def test_real_smollm2_tokenizer_masks():
 
     from drafthead.assets import asset_path
 
-    tok = D.load_tokenizer_cached("smollm2-135m-instruct")
+    from drafthead.target import load_tokenizer, resolve_target
+
+    tok = load_tokenizer(*resolve_target("smollm2-135m-instruct", None))  # the cached HF copy of the GGUF vocab
     gguf = asset_path("smollm2-135m-instruct")  # the cached copy must tokenize exactly like the GGUF vocab
     ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     text = ref.apply_chat_template(MULTI, tokenize=False) + " déjà vu 123 \n\t  code()"

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from drafthead import hardware
 from eval import EvalConfig, parse_kv, validate
 from eval.acceptance import (Generation, acceptance_length, acceptance_rate_by_position, compare_outputs,
                              generate_samples, mean_accepted)
@@ -308,6 +309,12 @@ def test_run_eval_tiny_model_is_lossless_and_writes_the_report(tmp_path, mode):
     assert all(x is None or 0 <= x <= 1 for x in r["acceptance_rate_by_position"])
     on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
     assert on_disk["speedup"] == r["speedup"] and on_disk["pays_off"] == (r["speedup"] > 1)
+    # the machine and dtype every figure is reported with
+    assert on_disk["settings"]["machine"]["cpu_class"] == hardware.cpu_class()
+    assert on_disk["settings"]["machine"]["cpu_capability"] == hardware.cpu_capability()
+    assert on_disk["settings"]["dtype"] == "float32"
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"(CPU class {hardware.cpu_class()})" in md and "dtype float32" in md
 
 
 def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
@@ -320,6 +327,8 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
                       verify_repeats=2, out=str(tmp_path / "bench.json"), progress=False, device="cpu")
     r = run_bench(cfg, target=target, drafter=drafter)
     on_disk = json.loads((tmp_path / "bench.json").read_text())
+    assert on_disk["settings"]["machine"]["cpu_class"] == hardware.cpu_class()
+    assert on_disk["settings"]["weights_dtype"] == "float32"
     assert on_disk["methods"].keys() == r["methods"].keys() and len(r["methods"]) == 7
     for name, m in r["methods"].items():
         assert m["outputs_equal_our_ar"] == 2, name  # greedy everywhere: same tokens as our AR, HF included
@@ -339,7 +348,7 @@ def test_cli_eval_loads_target_from_the_draft_config_and_reads_the_heldout_split
     from drafthead.vocab import build_vocab_mapping
 
     torch.set_num_threads(1)
-    target = load_target(str(tiny_llama_dir))
+    target = load_target(str(tiny_llama_dir), dtype="float32")
     torch.manual_seed(0)
     drafter = Eagle3Drafter(Eagle3Config.from_target(target.config, draft_vocab_size=64, aux_layer_ids=[1, 2, 3]))
     d2t, t2d = build_vocab_mapping(torch.zeros(target.config.vocab_size, dtype=torch.long), 64)

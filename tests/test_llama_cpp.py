@@ -53,7 +53,7 @@ def world(tmp_path_factory, bins):
     t0 = time.perf_counter()
     root = tmp_path_factory.mktemp("llama_cpp")
     target_gguf = asset_path("smollm2-135m-instruct")
-    target = load_target("smollm2-135m-instruct")
+    target = load_target("smollm2-135m-instruct", dtype="float32")  # replayed against llama.cpp's fp32 compute
     tok = target.tokenizer
     prompts = [lc.chat_prompt(tok, p) for p in PROMPTS]
     alone = [lc.run_target(bins, target_gguf, p, N_PREDICT, THREADS, poll=POLL) for p in prompts]

@@ -424,7 +424,8 @@ def train_args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]
           "capture.dtype": "bfloat16", "train.epochs": 1, "train.batch_size": 2, "train.batch_tokens": "null",
           "train.grad_accum": 1, "train.max_steps": 4, "train.save_every": 0, "train.eval_every": 0,
           "train.lr": 1e-3, "train.dtype": "float32", "train.deepspeed": "null", "logging.wandb": "false",
-          "logging.progress": "false", "logging.log_every": 1, "output_dir": run_dir, **over}
+          "logging.progress": "false", "logging.log_every": 1, "budget.minutes": "null",
+          "output_dir": run_dir, **over}
     return [f"{k}={v}" for k, v in kv.items()]
 
 
@@ -450,7 +451,7 @@ def test_train_end_to_end(mode: str, tiny_llama_dir, tiny_sharegpt, tmp_path, mo
     meta = read_draft_config(final)
     assert meta["family"] == "mtp" and meta["draft"]["num_modules"] == 2
     assert meta["draft"]["recursive"] is (mode == "offline")
-    target = load_target(str(tiny_llama_dir))
+    target = load_target(str(tiny_llama_dir), dtype="float32")
     draft = load_draft(final, embed_weight=target.model.get_input_embeddings().weight)
     target.model.double()  # float64: "speculative == plain greedy" exactly, no near-tie argmax flips
     draft.double()
@@ -761,7 +762,7 @@ def test_export_hf_default_smollm2_target(tmp_path):
     from drafthead.export import export
     from drafthead.export.mtp import read_native_export
 
-    target = load_target("smollm2-135m-instruct")
+    target = load_target("smollm2-135m-instruct", dtype="float32")  # logits compared at 1e-5 with the export's
     d = tiny_mtp(target.model, K=1)
     save_draft(d, tmp_path / "draft", target.info())
     out = export(tmp_path / "draft", "hf", tmp_path / "out")

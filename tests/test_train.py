@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from drafthead import hardware
 from drafthead.registry import load_draft, read_draft_config
 from drafthead.target import load_target
 from trainer.config import load_config
@@ -43,7 +44,8 @@ def args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]:
           "train.grad_accum": 1, "train.max_steps": 6, "train.save_every": 3, "train.keep_checkpoints": 2,
           "train.eval_every": 0, "train.eval_samples": "null", "train.lr": 1e-3, "train.warmup_ratio": 0.02,
           "train.min_lr_ratio": 0.0, "train.dtype": "float32", "train.deepspeed": "null",
-          "logging.wandb": "false", "logging.progress": "false", "logging.log_every": 1, "output_dir": run_dir, **over}
+          "logging.wandb": "false", "logging.progress": "false", "logging.log_every": 1, "budget.minutes": "null",
+          "output_dir": run_dir, **over}
     return [f"{k}={v}" for k, v in kv.items()]
 
 
@@ -130,7 +132,7 @@ def test_run_dir_contents(full_run, tiny_llama_dir, tiny_sharegpt):
     assert {"model.safetensors", "optimizer.pt", "rng_rank0.pt", "config.yaml"} <= {p.name for p in ckpts[1].iterdir()}
 
     # final/ is a draft: loads with the target's embedding, weights = the last checkpoint's, target described
-    target = load_target(str(tiny_llama_dir))
+    target = load_target(str(tiny_llama_dir), dtype="float32")
     meta = read_draft_config(full_run / "final")
     assert meta["family"] == "eagle3" and meta["target"]["num_hidden_layers"] == 4
     assert meta["draft"]["aux_layer_ids"] == [1, 2, 3] and meta["draft"]["draft_vocab_size"] == 128
@@ -222,7 +224,7 @@ def test_max_samples_counts_training_conversations(tiny_llama_dir, tiny_sharegpt
     from trainer.prepare import prepare_samples
 
     cfg = load_config(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"data.max_samples": 10}))
-    prep = prepare_samples(cfg, load_target(str(tiny_llama_dir)), Dist(), tmp_path / "run", log=lambda *a: None)
+    prep = prepare_samples(cfg, load_target(str(tiny_llama_dir), dtype="float32"), Dist(), tmp_path / "run", log=lambda *a: None)
     assert len(prep.train) == 10 and len(prep.heldout) == len(prep.heldout_convs) == 4
     assert not {s["id"] for s in prep.train} & {c.id for c in prep.heldout_convs}
 
@@ -308,7 +310,7 @@ def test_ddp_two_processes(ddp_run, tiny_llama_dir):
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["tokens_seen"] > 0 and rows[0]["epoch"] == pytest.approx(1 / 9)  # 18 batches of <=2, 9 per rank
     assert 1.0 <= metrics(ddp_run)[-1]["eval/sim_accept_len"] <= 4.0
-    target = load_target(str(tiny_llama_dir))
+    target = load_target(str(tiny_llama_dir), dtype="float32")
     load_draft(ddp_run / "final", embed_weight=target.model.get_input_embeddings().weight)
 
 
@@ -357,6 +359,12 @@ def train_real_smollm2(tmp_path: Path, recipe: str, steps: int) -> tuple[Path, s
 def test_real_smollm2_recipe_smoke(tmp_path):
     run, p = train_real_smollm2(tmp_path, "eagle3_smollm2", steps=4)
     assert "target: smollm2-135m-instruct (30 layers, hidden 576, vocab 49152)" in p.stdout
+    # dtype auto, said with its reason; the recipe's 60-minute budget measures the machine even when the
+    # run's size is given, and then only estimates
+    cls = hardware.cpu_class()
+    assert f"target dtype: {'bfloat16' if hardware.native_bf16() else 'float32'} (CPU capability" in p.stdout
+    assert "plan: 16 conversations" in p.stdout and f"on this machine ({cls}," in p.stdout
+    assert "[all given]" in p.stdout and "plan after capture" not in p.stdout
     recipe = load_config(["recipe=eagle3_smollm2"])
     meta = read_draft_config(run / "final")
     assert meta["draft"]["aux_layer_ids"] == [2, 15, 27]  # the default [2, N//2, N-3] for 30 layers

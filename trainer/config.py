@@ -23,7 +23,7 @@ DEFAULT_RECIPE = "eagle3_smollm2"
 class TargetConfig:
     name_or_path: str = "smollm2-135m-instruct"  # built-in name, HF dir / hub id, or a .gguf path
     gguf_file: str | None = None
-    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    dtype: str = "auto"  # auto = bf16 where native (CUDA, AMX / AVX512-BF16 CPUs), fp32 elsewhere
 
 
 @dataclass
@@ -83,7 +83,7 @@ class DrafterConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: float = 1.0
+    epochs: float | None = None  # passes over the training data; null = 1, or the budget's plan
     max_steps: int | None = None  # null = by epochs
     batch_size: int = 1  # conversations per micro-batch per rank
     batch_tokens: int | None = None  # if set, micro-batches are packed up to this many (padded) tokens
@@ -94,7 +94,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    dtype: str = "auto"  # auto = bf16 on GPU, fp32 on CPU
+    dtype: str = "auto"  # auto = bf16 where native (CUDA, AMX / AVX512-BF16 CPUs), fp32 elsewhere
     deepspeed: str | None = None  # null, a name under recipes/deepspeed/ (e.g. zero2) or a path
     save_every: int = 500  # steps
     keep_checkpoints: int = 2
@@ -103,7 +103,16 @@ class TrainConfig:
     resume: str = "auto"  # auto | true | false
     stop_after_steps: int | None = None  # leave after N optimizer steps in this process (preemptible queues)
     num_threads: int | None = None  # torch CPU threads per rank (null = torch default)
-    compile: bool = False
+
+
+@dataclass
+class BudgetConfig:
+    minutes: float | None = None  # wall clock for the whole run; null = off. With a budget, the run measures
+    # this machine first and fills data.max_samples / train.epochs where they are null (trainer/budget.py)
+    max_passes: float = 4.0  # most passes over captured data a plan makes (the held-out curve flattens in the 4th)
+    probe_samples: int = 512  # conversations tokenized by the probe: tokens per sample and usable share
+    # (96 misjudged the default's data by 10%; tokenizing 512 takes ~1.5 s)
+    probe_batches: int = 3  # batches timed per phase (after one warm-up)
 
 
 @dataclass
@@ -124,6 +133,7 @@ class RunConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -203,6 +213,18 @@ def validate(cfg: RunConfig) -> None:
     for key, (val, ok) in choices.items():
         if val not in ok:
             raise ConfigError(f"bad value for '{key}': {val!r} (choose from {', '.join(ok)})")
+    for key, val in (("target.dtype", cfg.target.dtype), ("train.dtype", cfg.train.dtype)):
+        if val not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"bad value for '{key}': {val!r} (choose from auto, float32, bfloat16)")
+    if cfg.train.epochs is not None and cfg.train.epochs <= 0:
+        raise ConfigError(f"bad value for 'train.epochs': {cfg.train.epochs} (must be > 0 or null)")
+    b = cfg.budget
+    if b.minutes is not None and b.minutes <= 0:
+        raise ConfigError(f"bad value for 'budget.minutes': {b.minutes} (must be > 0, or null for no budget)")
+    if b.max_passes < 1:
+        raise ConfigError(f"bad value for 'budget.max_passes': {b.max_passes} (must be >= 1)")
+    if b.probe_samples < 8 or b.probe_batches < 1:
+        raise ConfigError("bad value for 'budget.probe_samples' / 'budget.probe_batches' (need >= 8 and >= 1)")
     if cfg.data.max_samples is not None and cfg.data.max_samples < 1:
         raise ConfigError(f"bad value for 'data.max_samples': {cfg.data.max_samples} (must be >= 1 or null)")
     if cfg.data.max_length < 8:

@@ -501,17 +501,6 @@ def _load_tokenized(path: Path) -> tuple[list[dict], SkipStats]:
     return samples, SkipStats(**meta["stats"])
 
 
-def load_tokenizer_cached(name_or_path: str, gguf_file: str | None = None):
-    """AutoTokenizer, with GGUF tokenizers converted once and saved under cache_dir()/tokenizers.
-
-    Converting the SmolLM2 GGUF vocab takes ~10 s; the saved copy loads in ~0.4 s.
-    Same cache as `drafthead.target.load_tokenizer` (which this calls).
-    """
-    from drafthead.target import load_tokenizer, resolve_target
-
-    return load_tokenizer(*resolve_target(name_or_path, gguf_file))
-
-
 # ----------------------------------------------------------------------------- JSONL of conversations
 
 def _conv_line(c: Conversation) -> bytes:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from drafthead.hardware import DTYPES, resolve_dtype
 from drafthead.layers import softmax_floored
 from drafthead.target import Target, TargetHead
 from trainer.capture import collate, collate_features, features_for_batch
@@ -158,6 +159,15 @@ def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead, drafter: nn
             "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
 
 
+def forward_backward(engine: Any, batch: dict[str, torch.Tensor], head: TargetHead, dtype: str,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """One micro-step: teacher targets, drafter forward under the run's precision, backward."""
+    with autocast(dtype, device, engine.kind):
+        out = engine.forward(**drafter_inputs(batch, head, engine.module))
+    engine.backward(out["loss"])
+    return out
+
+
 def retain_freed_memory() -> bool:
     """Ask glibc to keep freed memory instead of handing it back to the OS after every step.
 
@@ -192,14 +202,12 @@ def trim_freed_memory() -> bool:
 
 
 def autocast(dtype: str, device: torch.device, engine_kind: str):
-    """Mixed precision for the drafter forward: bf16 autocast on GPU by default, fp32 on CPU unless the
-    recipe asks for bfloat16 (CPUs with AMX run bf16 matmuls ~4x faster). Master weights stay fp32.
-    DeepSpeed on GPU handles bf16 itself."""
-    if dtype == "auto":
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    if dtype not in ("bfloat16", "float32"):
+    """Mixed precision for the drafter forward: bf16 autocast where bf16 is native (`auto`: CUDA, AMX /
+    AVX512-BF16 CPUs), fp32 elsewhere. Master weights stay fp32. DeepSpeed on GPU handles bf16 itself."""
+    if dtype not in DTYPES:
         raise ValueError(f"train.dtype={dtype!r}: use auto, bfloat16 or float32")
-    enabled = dtype == "bfloat16" and not (engine_kind == "deepspeed" and device.type == "cuda")
+    enabled = resolve_dtype(dtype, device, "train") == torch.bfloat16 and not (
+        engine_kind == "deepspeed" and device.type == "cuda")
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 

@@ -71,6 +71,36 @@ def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: P
     return [regen.get(c.id, c) if i in pick else c for i, c in enumerate(convs)]
 
 
+@dataclass
+class DraftSetup:
+    drafter: torch.nn.Module
+    head: torch.nn.Module  # the frozen target head the teacher distribution comes from
+    init: str
+    d2t: torch.Tensor | None
+    t2d: torch.Tensor | None
+
+
+def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch.device, log=print) -> DraftSetup:
+    """Draft vocabulary from the loss-masked training tokens (reduced-vocab families; MTP predicts the full
+    vocab), then the drafter built and initialised from the target, and the teacher head over its vocab."""
+    from drafthead.registry import REDUCED_VOCAB, build_for_target, init_for_target
+    from drafthead.target import TargetHead, lm_head_weight
+    from drafthead.vocab import build_vocab_mapping, count_tokens, draft_ids
+
+    d2t = t2d = None
+    if cfg.drafter.family in REDUCED_VOCAB:
+        counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in train), target.config.vocab_size)
+        d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
+        covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
+        log(f"draft vocab: {d2t.numel()} tokens cover {covered:.1%} of {counts.sum().item()} assistant tokens")
+    drafter = build_for_target(cfg.drafter.family, target.config, cfg.drafter, cfg.capture.layer_ids,
+                               None if d2t is None else d2t.numel())
+    init = init_for_target(drafter, target, cfg.drafter, d2t, t2d)
+    drafter.to(device).train()
+    head = TargetHead(lm_head_weight(target.model), None if d2t is None else draft_ids(d2t)).to(device)
+    return DraftSetup(drafter, head, init, d2t, t2d)
+
+
 def feature_dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import os
-import platform
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -24,18 +23,17 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from drafthead import hardware
+
 _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _state: dict[str, ModuleType | str | None] = {}  # "ext": module, or "why": reason it is unavailable
 
 
 def _cpu_has_avx512_bf16() -> bool:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags and " avx512bw" in flags
+    """AVX512-BF16 in the CPU *and* in torch's dispatch level, so `ATEN_CPU_CAPABILITY=avx2` emulates an
+    AVX2-only machine here too."""
+    flags = hardware.cpu_flags()
+    return hardware.cpu_class() in hardware.NATIVE_BF16_CLASSES and {"avx512_bf16", "avx512bw"} <= flags
 
 
 def _load() -> ModuleType | None:

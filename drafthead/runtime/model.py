@@ -187,7 +187,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     copies: CPU SDPA has a separate q_len-1 kernel that can round differently (by one bf16 ulp, on real
     SmolLM2 activations; tests/assets/sdpa_q1_case.safetensors), which is enough to flip a near-tie argmax.
     `per_query`: every call has exactly QUERY_BLOCK queries (the last one repeated to fill it), whatever T
-    is. On the AMD EPYC machines of session 7 CPU SDPA's result for a query also changed with the number of
+    is. On AMD EPYC (AVX512-BF16) CPUs, SDPA's result for a query also changed with the number of
     queries in the call (no row of a real SmolLM2 verify block of 10 matched single steps), so the runtime
     sets it for generated bf16 CPU tokens; one call per 16 queries, at about the cost of an unpadded call.
     """

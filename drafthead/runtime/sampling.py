@@ -29,7 +29,3 @@ def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # u * total can round up to the total: fall back to the last token with mass
     last = (p > 0).long().cumsum(-1).argmax(-1)
     return torch.minimum(idx, last)
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(-1)

@@ -1,0 +1,186 @@
+"""The time-budget planner (trainer/budget.py): plans from given rates fit, given keys win, a budget too
+small is a clear error naming the minimum; and train.py with a budget on a tiny target (plan, re-fit after
+capture, planned vs actual recorded, a rerun keeps its plan)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer import budget as B
+from trainer.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
+train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train)
+
+# rates as measured on the three CPU classes of our machines (docs/benchmarks.md)
+CLASSES = {"AVX2 fp32": (190.0, 470.0), "AVX512-BF16": (773.0, 1672.0), "AMX": (2000.0, 2500.0)}
+
+
+def rates(capture: float, train_: float, available: int | None = None) -> B.Rates:
+    return B.Rates(capture_tok_s=capture, train_tok_s=train_, eval_tok_s=3 * train_, tokens_per_sample=470.0,
+                   usable_frac=0.88, prep_s_per_conv=0.003, save_s=0.7, available=available, cpu_class="X",
+                   dtype="d")
+
+
+def shape(**kw) -> B.Shape:
+    return B.Shape(**{"batch_size": 4, "grad_accum": 1, "eval_every": 100, "save_every": 100, "eval_samples": 64,
+                      **kw})
+
+
+@pytest.mark.parametrize("cls", list(CLASSES))
+@pytest.mark.parametrize("minutes", [10, 60, 240])
+def test_plan_fits_the_budget(cls, minutes):
+    r = rates(*CLASSES[cls])
+    p = B.make_plan(minutes * 60.0, 45.0, r, shape())
+    assert p.chosen == ["data.max_samples", "train.epochs"] and p.fits
+    assert p.est_s["total"] == pytest.approx(sum(v for k, v in p.est_s.items() if k != "total"), abs=0.5)
+    assert p.est_s["total"] <= minutes * 60 * B.SAFETY
+    assert 1 <= p.passes <= 4 and p.conversations >= 1
+    # the largest data at its passes: one more conversation's worth of time would not fit... nearly
+    more = B.estimate(int(p.conversations * 1.02) + 1, p.passes, r, shape(), 45.0)["total"]
+    assert more > minutes * 60 * B.SAFETY
+    assert p.steps == B.steps_for(p.conversations, p.passes, r, shape())
+    assert f"plan: {p.conversations} conversations" in p.line() and "passes" in p.line()
+
+
+def test_slower_machines_get_less_data_not_more_time():
+    plans = {c: B.make_plan(3600.0, 45.0, rates(*v), shape()) for c, v in CLASSES.items()}
+    assert plans["AVX2 fp32"].conversations < plans["AVX512-BF16"].conversations < plans["AMX"].conversations
+    assert all(p.est_s["total"] <= 3600 for p in plans.values())
+
+
+def test_passes_prefer_fresh_data_until_the_source_runs_out():
+    """Passes 1-3 count fully and the 4th by half: with data to spare, 3 passes over more data win (ties go
+    to more fresh data); when the source is the limit, the plan makes the 4th pass rather than idle."""
+    r = rates(773.0, 1672.0)
+    assert B.make_plan(3600.0, 45.0, r, shape()).passes == 3
+    capped = B.make_plan(3600.0, 45.0, rates(773.0, 1672.0, available=300), shape())
+    assert capped.conversations == 300 and capped.passes == 4
+    assert B.make_plan(3600.0, 45.0, r, shape(max_passes=2)).passes == 2
+    assert [B.pass_value(p) for p in (1, 2, 3, 4, 5)] == [1, 2, 3, 3.5, 3.5]
+
+
+def test_given_keys_win():
+    r = rates(773.0, 1672.0)
+    data = B.make_plan(3600.0, 45.0, r, shape(conversations=500))  # data given: passes fill the time, up to 4
+    assert data.conversations == 500 and data.chosen == ["train.epochs"] and data.passes == 4
+    data = B.make_plan(3600.0, 45.0, r, shape(conversations=3000))
+    assert data.conversations == 3000 and 1 <= data.passes < 4 and data.est_s["total"] <= 3600 * B.SAFETY
+    passes = B.make_plan(3600.0, 45.0, r, shape(passes=1.0))  # passes given: data fills the time
+    assert passes.passes == 1 and passes.chosen == ["data.max_samples"]
+    assert passes.conversations > B.make_plan(3600.0, 45.0, r, shape(passes=3.0)).conversations
+    both = B.make_plan(3600.0, 45.0, r, shape(conversations=20000, passes=4.0))  # nothing chosen, said to be over
+    assert both.chosen == [] and (both.conversations, both.passes) == (20000, 4.0) and not both.fits
+    steps = B.make_plan(3600.0, 45.0, r, shape(max_steps=200))
+    assert steps.steps == 200 and steps.chosen == ["data.max_samples"]
+    assert steps.conversations == pytest.approx(200 * 4 / 0.88, abs=1)  # one pass of the fixed steps
+
+
+def test_budget_too_small_names_the_minimum():
+    r = rates(*CLASSES["AVX2 fp32"])
+    with pytest.raises(B.BudgetError, match=r"budget.minutes=1 is too small on this machine \(X, d\): setup, one "
+                       r"step, the held-out features and one evaluation alone take ~[0-9.]+ min; set "
+                       r"budget.minutes >= [0-9]+ or budget.minutes=null"):
+        B.make_plan(60.0, 30.0, r, shape())
+    err = None
+    try:
+        B.make_plan(60.0, 30.0, r, shape())
+    except B.BudgetError as e:
+        err = str(e)
+    minimum = int(err.split(">= ")[1].split()[0])
+    B.make_plan(minimum * 60.0, 30.0, r, shape())  # the minimum it names is enough
+
+
+def test_refit_after_capture_absorbs_a_slow_capture():
+    r, s = rates(773.0, 1672.0), shape()
+    p = B.make_plan(3600.0, 45.0, r, s)
+    on_time = p.est_s["setup"] + p.est_s["prepare"] + p.est_s["capture"]
+    samples = int(p.conversations * r.usable_frac)
+    same, _ = B.refit_passes(p, s, on_time, samples, p.tokens)
+    assert same == pytest.approx(p.passes, abs=0.1)
+    slow, info = B.refit_passes(p, s, on_time + 600, samples, p.tokens)  # capture 10 min late
+    assert slow < p.passes and info["est_total_s"] <= 3600 * B.SAFETY and info["passes_planned"] == p.passes
+    fast, _ = B.refit_passes(p, s, on_time - 600, samples, p.tokens)
+    assert p.passes < fast <= 4
+    late, _ = B.refit_passes(p, s, 3590.0, samples, p.tokens)  # nothing left: the least, a tenth
+    assert late == 0.1
+
+
+def test_a_stored_plan_is_kept_only_for_the_same_budget_and_keys():
+    r, s = rates(773.0, 1672.0), shape()
+    p = B.Plan.from_dict(json.loads(json.dumps(B.make_plan(3600.0, 45.0, r, s).to_dict())))
+    assert p.rates == r
+    assert B.plan_matches(p, 3600.0, s)
+    assert not B.plan_matches(p, 1800.0, s)
+    assert not B.plan_matches(p, 3600.0, shape(conversations=10))
+
+
+def test_budget_keys_are_validated():
+    cfg = load_config([])
+    assert cfg.budget.minutes == 60 and cfg.data.max_samples is None and cfg.train.epochs is None
+    assert cfg.target.dtype == "auto" and cfg.train.dtype == "auto"
+    for bad, key in (("budget.minutes=0", "budget.minutes"), ("budget.max_passes=0.5", "budget.max_passes"),
+                     ("train.epochs=0", "train.epochs"), ("target.dtype=fp16", "target.dtype"),
+                     ("train.dtype=half", "train.dtype")):
+        with pytest.raises(ConfigError, match=f"bad value for '{key}'"):
+            load_config([bad])
+    assert load_config(["budget.minutes=null"]).budget.minutes is None
+
+
+def tiny_args(run: Path, target: Path, data: Path, **over) -> list[str]:
+    kv = {"target.name_or_path": target, "target.dtype": "float32", "data.dataset": data, "data.num_holdout": 4,
+          "data.max_length": 96, "drafter.draft_vocab_size": 128, "capture.layer_ids": "[1,2,3]",
+          "train.batch_size": 2, "train.dtype": "float32", "train.eval_every": 0, "train.save_every": 0,
+          "budget.probe_samples": 16, "logging.wandb": "false", "logging.progress": "false", "output_dir": run,
+          **over}
+    return [f"{k}={v}" for k, v in kv.items()]
+
+
+def test_train_with_a_budget_plans_refits_records_and_keeps_its_plan(tiny_llama_dir, tiny_sharegpt, tmp_path,
+                                                                     capsys, monkeypatch):
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    a = tiny_args(run, tiny_llama_dir, tiny_sharegpt, **{"budget.minutes": 1.5})
+    train.main(a)
+    out = capsys.readouterr().out
+    assert "budget: 1.5 min; measuring this machine ..." in out
+    plan = B.load_plan(run)
+    # the tiny source (40 conversations, 4 held out) is the limit: all of it, and the 4th pass
+    assert plan.rates.available == 36 and plan.conversations == 36 and plan.chosen == ["data.max_samples",
+                                                                                      "train.epochs"]
+    assert plan.line() in out and "plan after capture:" in out and plan.refit is not None
+    cfg = load_config([f"recipe={run / 'config.yaml'}"])  # the resolved recipe holds what the plan chose
+    assert cfg.data.max_samples == 36 and cfg.train.epochs == plan.passes
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 0, "budget_plan": json.loads(json.dumps(rows[0]["budget_plan"]))}
+    assert rows[0]["budget_plan"]["conversations"] == 36
+    rec = rows[-1]["budget"]
+    assert set(rec["actual_s"]) == {"setup", "prepare", "capture", "train", "total"}
+    assert rec["actual_steps"] == plan.steps or abs(rec["actual_steps"] - plan.steps) <= 1
+    assert 0 < rec["actual_over_budget"] < 1.1
+    meta = json.loads((run / "final" / "config.json").read_text())
+    assert meta["budget"]["plan"]["refit"]["passes"] == plan.passes and meta["budget"]["actual_steps"] > 0
+
+    train.main(a)  # the same command again: the stored plan, no second probe
+    out = capsys.readouterr().out
+    assert f"resuming with the plan in {run / 'plan.json'}" in out and "measuring this machine" not in out
+    assert B.load_plan(run) == plan
+
+    explicit = tmp_path / "explicit"  # explicit keys win over the plan
+    train.main(tiny_args(explicit, tiny_llama_dir, tiny_sharegpt,
+                         **{"budget.minutes": 1.5, "data.max_samples": 10, "train.epochs": 1}))
+    p2 = B.load_plan(explicit)
+    assert p2.chosen == [] and p2.conversations == 10 and p2.passes == 1 and p2.refit is None
+
+
+def test_train_with_a_budget_too_small_is_a_clear_error(tiny_llama_dir, tiny_sharegpt, tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(B.BudgetError, match=r"budget.minutes=0.001 is too small on this machine .* set "
+                                            r"budget.minutes >= 1 or budget.minutes=null"):
+        train.main(tiny_args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"budget.minutes": 0.001}))
+    assert not (tmp_path / "run" / "final").exists()
