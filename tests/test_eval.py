@@ -420,8 +420,10 @@ def test_drafthead_eval_on_smollm2_with_a_random_draft(smollm2_draft, tmp_path):
 def test_bench_on_smollm2_matches_hf_generate(smollm2_draft, tmp_path):
     from eval.bench import BenchConfig, run_bench
     from drafthead.registry import load_draft
+    from drafthead.target import load_target
 
-    target, final = smollm2_draft
+    _, final = smollm2_draft
+    target = load_target("smollm2-135m-instruct", dtype="float32")  # parity with HF generate: fp32 on every CPU
     drafter = load_draft(final, embed_weight=target.model.get_input_embeddings().weight)
     cfg = BenchConfig(draft=str(final), dataset="mt_bench", max_prompts=2, max_new_tokens=16, verify_sizes=[1, 4, 16],
                       verify_repeats=2, out=str(tmp_path), progress=False, device="cpu")
@@ -442,6 +444,8 @@ def test_bench_speedup_script_runs_interleaved_and_checks_losslessness(smollm2_d
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout
-    for name in ("our AR", "HF generate (bfloat16)", "chain k=2 + n-gram"):
+    auto = "bfloat16" if hardware.native_bf16() else "float32"  # the script's --dtype auto
+    for name in ("our AR", f"HF generate ({auto})", "chain k=2 + n-gram"):
         assert name in out
+    assert f"CPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()})" in out
     assert "outputs equal to our AR 2/2" in out

@@ -43,7 +43,7 @@ def _load() -> ModuleType | None:
     if os.environ.get("DRAFTHEAD_CPU_KERNEL", "1") == "0":
         why = "DRAFTHEAD_CPU_KERNEL=0"
     elif not _cpu_has_avx512_bf16():
-        why = "this CPU has no AVX512-BF16"
+        why = f"CPU class {hardware.cpu_class()} has no AVX512-BF16"
     else:
         try:
             from torch.utils.cpp_extension import load
