@@ -78,7 +78,7 @@ def main(argv: list[str]) -> Path:
         f"aux layers {layer_ids}, TTT {K} steps" if family == "eagle3" else
         f"{K} depths ({'one module applied K times' if dcfg.recursive else f'{K} modules'}), init {ds.init}"))
 
-    phases["prepare"] = time.perf_counter() - t_start - phases["setup"]
+    phases["prepare"] = time.perf_counter() - t_start - sum(phases.values())
 
     # --- features: online (captured in the step) or offline (sharded safetensors) -----------------
     offline = cfg.capture.mode == "offline"
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> Path:
     eval_batches = [L.make_batch(eval_items[i: i + cfg.train.batch_size], target, layer_ids, feat_dtype, False,
                                  d.device, store_argmax) for i in range(0, len(eval_items), cfg.train.batch_size)]
 
-    phases["capture"] = time.perf_counter() - t_start - phases["setup"] - phases["prepare"]
+    phases["capture"] = time.perf_counter() - t_start - sum(phases.values())
     plan = refit_after_capture(plan, cfg, d, run_dir, time.perf_counter() - t_start, len(lengths), sum(lengths), log)
 
     # --- engine: plain / DDP / DeepSpeed ---------------------------------------------------------

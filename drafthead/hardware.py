@@ -24,18 +24,26 @@ EMULATED_BF16_SLOWDOWN = 7  # bf16 / fp32 matmul time on an AVX2-only EPYC (13 v
 
 
 @functools.lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty off Linux), read once."""
     if platform.system() != "Linux":
-        return frozenset()
+        return {}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    info: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        info[key.strip()] = value.strip()
+    return info
+
+
+def cpu_flags() -> frozenset[str]:
+    """x86 feature flags from /proc/cpuinfo (empty elsewhere)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def cpu_capability() -> str:
@@ -68,13 +76,7 @@ def describe(device: str | torch.device = "cpu") -> dict:
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 _said: set[str] = set()
@@ -95,25 +97,34 @@ def resolve_dtype(name: str, device: str | torch.device = "cpu", what: str = "",
     `auto` is bf16 where bf16 is native (see the module docstring), fp32 elsewhere. An explicit bf16 on a
     CPU without native bf16 still runs, with a warning that it will be several times slower. `what` names
     the user of the dtype in the log line (target, train, eval)."""
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    check_dtype(name)
     dev = torch.device(device)
-    if dev.type == "cuda":
-        why = "CUDA"
-    else:
-        why = f"CPU capability {cpu_capability()}, " + (
-            f"{cpu_class()}: native bf16" if native_bf16(dev) else "no native bf16")
+    native = native_bf16(dev)
     if name == "auto":
-        dtype = torch.bfloat16 if native_bf16(dev) else torch.float32
+        dtype = torch.bfloat16 if native else torch.float32
         if not quiet:
-            _say(f"{what + ' ' if what else ''}dtype: {str(dtype).removeprefix('torch.')} ({why})")
+            _say(f"{what + ' ' if what else ''}dtype: {str(dtype).removeprefix('torch.')} ({_why(dev)})")
         return dtype
     dtype = getattr(torch, name)
-    if dtype == torch.bfloat16 and not native_bf16(dev):
+    if dtype == torch.bfloat16 and not native:
         _say(f"{what + ' ' if what else ''}dtype bfloat16 was asked for on a CPU without native bf16 "
-             f"({why}): bf16 matmuls run ~{EMULATED_BF16_SLOWDOWN}x slower than float32 here; "
+             f"({_why(dev)}): bf16 matmuls run ~{EMULATED_BF16_SLOWDOWN}x slower than float32 here; "
              f"dtype=auto picks float32", warn=True)
     return dtype
+
+
+def check_dtype(name: str) -> None:
+    """The `dtype` keys (recipes, eval, bench): one of DTYPES, checked before anything loads."""
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+
+
+def _why(dev: torch.device) -> str:
+    """The reason a dtype decision names (built only when it is said)."""
+    if dev.type == "cuda":
+        return "CUDA"
+    return f"CPU capability {cpu_capability()}, " + (
+        f"{cpu_class()}: native bf16" if native_bf16(dev) else "no native bf16")
 
 
 def resolve_dtype_name(name: str, device: str | torch.device = "cpu", what: str = "", quiet: bool = False) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from drafthead.hardware import DTYPES
+from drafthead.hardware import check_dtype
 from eval.acceptance import generate_samples, warmup
 from eval.datasets import DATASETS, load_eval_dataset
 from eval.report import build_report, machine_info, write_report
@@ -109,12 +109,6 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
     if not cfg.draft and not cfg.target and not models_given:
         raise ValueError("draft=none needs target=NAME_OR_PATH (there is no draft config to read it from)")
     resolve_mode(cfg, has_draft)
-
-
-def check_dtype(dtype: str) -> None:
-    """The `dtype` key of eval and bench, checked before anything loads."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
 
 
 def resolve_device(device: str) -> str:

@@ -126,10 +126,18 @@ def test_budget_keys_are_validated():
     assert cfg.target.dtype == "auto" and cfg.train.dtype == "auto"
     for bad, key in (("budget.minutes=0", "budget.minutes"), ("budget.max_passes=0.5", "budget.max_passes"),
                      ("train.epochs=0", "train.epochs"), ("target.dtype=fp16", "target.dtype"),
-                     ("train.dtype=half", "train.dtype")):
+                     ("train.dtype=half", "train.dtype"), ("budget.probe_samples=4", "budget.probe_samples"),
+                     ("budget.probe_batches=0", "budget.probe_batches")):
         with pytest.raises(ConfigError, match=f"bad value for '{key}'"):
             load_config([bad])
     assert load_config(["budget.minutes=null"]).budget.minutes is None
+
+
+def test_probe_with_too_few_samples_is_a_clear_error():
+    samples = [{"input_ids": [1] * 5, "loss_mask": [1] * 5}] * 7
+    with pytest.raises(B.BudgetError, match="the budget probe needs at least 10 training samples, got 7"):
+        B.measure_rates(samples, batch_size=2, batches=3, features=dict, step=dict, eval_forward=dict,
+                        save=dict)
 
 
 def tiny_args(run: Path, target: Path, data: Path, **over) -> list[str]:

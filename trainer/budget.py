@@ -14,7 +14,6 @@ to a run directory so a resumed run reuses its first plan (a re-measured plan wo
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -102,6 +101,14 @@ def steps_for(conversations: int, passes: float, r: Rates, s: Shape) -> int:
     return max(1, math.ceil(passes * samples / s.batch_size / s.grad_accum))
 
 
+def _training_s(steps: int, train_tokens: float, r: Rates, s: Shape) -> dict[str, float]:
+    """Seconds of the loop: `steps` steps over `train_tokens` tokens, its evaluations and checkpoints."""
+    heldout_tokens = s.eval_samples * r.tokens_per_sample
+    return {"train": train_tokens / r.train_tok_s,
+            "eval": _count_every(steps, s.eval_every) * heldout_tokens / r.eval_tok_s,
+            "save": (_count_every(steps, s.save_every) + 1) * r.save_s}  # + the final draft
+
+
 def estimate(conversations: int, passes: float, r: Rates, s: Shape, setup_s: float,
              steps: int | None = None) -> dict[str, float]:
     """Seconds per phase of a run with this data and passes (or fixed `steps`), after `setup_s` spent."""
@@ -113,9 +120,7 @@ def estimate(conversations: int, passes: float, r: Rates, s: Shape, setup_s: flo
         "setup": setup_s,
         "prepare": conversations * r.prep_s_per_conv,
         "capture": tokens / r.capture_tok_s + heldout_tokens / r.capture_tok_s,  # + held-out features, once
-        "train": steps * step_tokens / r.train_tok_s,
-        "eval": _count_every(steps, s.eval_every) * heldout_tokens / r.eval_tok_s,
-        "save": (_count_every(steps, s.save_every) + 1) * r.save_s,  # + the final draft
+        **_training_s(steps, steps * step_tokens, r, s),
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -253,13 +258,10 @@ def refit_passes(plan: Plan, s: Shape, elapsed_s: float, samples: int, tokens: i
     """Passes that fit what is left of the budget, now that the data (`samples`, `tokens`) and the time
     spent (`elapsed_s`, capture included) are known: tenths of a pass, at least 0.1, at most max_passes."""
     r, avail = plan.rates, plan.budget_s * SAFETY
-    heldout_tokens = s.eval_samples * r.tokens_per_sample
     per_step = s.batch_size * s.grad_accum
 
     def rest(p: float) -> float:
-        steps = max(1, math.ceil(p * samples / per_step))
-        return (p * tokens / r.train_tok_s + _count_every(steps, s.eval_every) * heldout_tokens / r.eval_tok_s
-                + (_count_every(steps, s.save_every) + 1) * r.save_s)
+        return sum(_training_s(max(1, math.ceil(p * samples / per_step)), p * tokens, r, s).values())
 
     best = _most_tenths(lambda p: elapsed_s + rest(p) <= avail, s.max_passes)
     steps = max(1, math.ceil(best * samples / per_step))
@@ -302,16 +304,6 @@ def plan_matches(plan: Plan, budget_s: float, s: Shape) -> bool:
         s.conversations in (None, plan.conversations)) and (s.passes in (None, plan.passes))
 
 
-@contextlib.contextmanager
-def torch_rng_kept():
-    """The probe builds a throwaway drafter; the real run must draw the same random numbers as without it."""
-    state = torch.get_rng_state()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(state)
-
-
 def shape_of(cfg: Any) -> Shape:
     eval_samples = min(cfg.train.eval_samples or cfg.data.num_holdout, cfg.data.num_holdout)
     return Shape(batch_size=cfg.train.batch_size, grad_accum=cfg.train.grad_accum, eval_every=cfg.train.eval_every,
@@ -335,7 +327,8 @@ def probe(cfg: Any, target: Any, device: torch.device) -> Rates:
     samples, _ = D.tokenize_conversations(target.tokenizer, convs, max_length=dc.max_length, overlong=dc.overlong,
                                           chat_template=dc.chat_template, enable_thinking=dc.enable_thinking)
     prep_s = (time.perf_counter() - t) / max(len(convs), 1)
-    with torch_rng_kept():
+    rng = L.rng_state()  # the throwaway drafter draws random numbers the real run must draw again
+    try:
         ds = build_draft(cfg, target, samples, device, log=lambda *a: None)
         engine = L.TorchEngine(ds.drafter, cfg, 1000, L.Dist(device=device))
         layer_ids, fdt = ds.drafter.capture_layer_ids(), feature_dtype(cfg.capture.dtype)
@@ -346,6 +339,8 @@ def probe(cfg: Any, target: Any, device: torch.device) -> Rates:
                 step=lambda fb: (L.forward_backward(engine, fb, ds.head, cfg.train.dtype, device), engine.step()),
                 eval_forward=lambda fb: L.evaluate(ds.drafter, [fb], ds.head, L.Dist(device=device)),
                 save=lambda: engine.save(Path(tmp)))
+    finally:
+        L.set_rng_state(rng)
     return Rates(**got, tokens_per_sample=sum(len(s["input_ids"]) for s in samples) / len(samples),
                  usable_frac=len(samples) / len(convs), prep_s_per_conv=prep_s,
                  available=max(len(every) - dc.num_holdout, 0), cpu_class=cpu_class(),

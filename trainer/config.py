@@ -15,6 +15,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from drafthead.hardware import DTYPES
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE = "eagle3_smollm2"
 
@@ -214,8 +216,8 @@ def validate(cfg: RunConfig) -> None:
         if val not in ok:
             raise ConfigError(f"bad value for '{key}': {val!r} (choose from {', '.join(ok)})")
     for key, val in (("target.dtype", cfg.target.dtype), ("train.dtype", cfg.train.dtype)):
-        if val not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"bad value for '{key}': {val!r} (choose from auto, float32, bfloat16)")
+        if val not in DTYPES:
+            raise ConfigError(f"bad value for '{key}': {val!r} (choose from {', '.join(DTYPES)})")
     if cfg.train.epochs is not None and cfg.train.epochs <= 0:
         raise ConfigError(f"bad value for 'train.epochs': {cfg.train.epochs} (must be > 0 or null)")
     b = cfg.budget
@@ -223,8 +225,10 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'budget.minutes': {b.minutes} (must be > 0, or null for no budget)")
     if b.max_passes < 1:
         raise ConfigError(f"bad value for 'budget.max_passes': {b.max_passes} (must be >= 1)")
-    if b.probe_samples < 8 or b.probe_batches < 1:
-        raise ConfigError("bad value for 'budget.probe_samples' / 'budget.probe_batches' (need >= 8 and >= 1)")
+    if b.probe_samples < 8:
+        raise ConfigError(f"bad value for 'budget.probe_samples': {b.probe_samples} (must be >= 8)")
+    if b.probe_batches < 1:
+        raise ConfigError(f"bad value for 'budget.probe_batches': {b.probe_batches} (must be >= 1)")
     if cfg.data.max_samples is not None and cfg.data.max_samples < 1:
         raise ConfigError(f"bad value for 'data.max_samples': {cfg.data.max_samples} (must be >= 1 or null)")
     if cfg.data.max_length < 8:
