@@ -1,10 +1,10 @@
 """Train a speculative-decoding draft head for a frozen target.
 
-    python train.py                                          # embedded default: eagle3_smollm2, 1 CPU process, 60 min
-    python train.py recipe=eagle3_smollm2 data.max_samples=16 train.max_steps=4
-    torchrun --nproc_per_node 8 train.py recipe=eagle3_qwen  # GPU node, DeepSpeed ZeRO-2
+    python train.py                                      # the embedded default (recipes/default.yaml): 1 CPU process, 60 min
+    python train.py data.max_samples=16 train.max_steps=4
+    torchrun --nproc_per_node 8 train.py recipe=NAME     # a GPU recipe from recipes/ (DeepSpeed ZeRO-2)
     torchrun --nproc_per_node 2 train.py train.deepspeed=zero2   # CPU: DS_ACCELERATOR=cpu is set for you
-    torchrun --nnodes 2 --node_rank R --master_addr HOST --nproc_per_node 8 train.py recipe=eagle3_llama
+    torchrun --nnodes 2 --node_rank R --master_addr HOST --nproc_per_node 8 train.py recipe=NAME
 
 Reads top to bottom: config -> distributed -> frozen target -> time budget (measure, plan) -> data ->
 drafter and its vocab -> features (online or offline; the plan's passes re-fitted) -> engine (DDP /
@@ -23,22 +23,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
 
-from drafthead.registry import num_steps, save_draft
+from drafthead.io import atomic_write_bytes
+from drafthead.registry import family, save_draft
 from drafthead.target import load_target
-from trainer import loop as L
+from trainer import engine as L
 from trainer.budget import budget_record, plan_run, refit_after_capture
 from trainer.capture import CaptureError, ShardedFeatures, capture_offline
 from trainer.config import as_dict, parse_or_exit, to_yaml
-from trainer.prepare import build_draft, feature_dtype, prepare_samples
-from drafthead.io import atomic_write_bytes
 from trainer.data import write_jsonl
+from trainer.dist import barrier, init_distributed
+from trainer.prepare import build_draft, feature_dtype, prepare_samples
 
 
 def main(argv: list[str]) -> Path:
     # --- config and distributed -----------------------------------------------------------------
     cfg = parse_or_exit(argv)
     L.retain_freed_memory()  # big per-step tensors reuse the heap instead of fresh page faults
-    d = L.init_distributed()
+    d = init_distributed()
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.seed)
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> Path:
     log = print if d.main else (lambda *a, **k: None)
     if d.main:
         run_dir.mkdir(parents=True, exist_ok=True)
-    L.barrier(d)
+    barrier(d)
     t_start = time.perf_counter()
     phases: dict[str, float] = {}  # wall seconds per phase, planned vs actual in the final record
 
@@ -67,28 +68,27 @@ def main(argv: list[str]) -> Path:
         write_jsonl(prep.heldout_convs, run_dir / "heldout.jsonl")
 
     # --- drafter (and its vocabulary, from the loss-masked training tokens) -----------------------
-    family = cfg.drafter.family
+    fam = family(cfg.drafter.family)
     ds = build_draft(cfg, target, prep.train, d.device, log)
-    drafter, head, dcfg = ds.drafter, ds.head, ds.drafter.config
+    drafter, head = ds.drafter, ds.head
     layer_ids = drafter.capture_layer_ids()
     feat_dtype = feature_dtype(cfg.capture.dtype)
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    K = num_steps(dcfg)
-    log(f"drafter: {family}, {n_params / 1e6:.1f}M trainable params, " + (
-        f"aux layers {layer_ids}, TTT {K} steps" if family == "eagle3" else
-        f"{K} depths ({'one module applied K times' if dcfg.recursive else f'{K} modules'}), init {ds.init}"))
+    K = drafter.config.num_draft_tokens  # draft depths each training forward reports
+    log(f"drafter: {fam.name}, {n_params / 1e6:.1f}M trainable params, "
+        f"{fam.describe(getattr(cfg.drafter, fam.name), drafter.config)}, init {ds.init}")
 
     phases["prepare"] = time.perf_counter() - t_start - sum(phases.values())
 
     # --- features: online (captured in the step) or offline (sharded safetensors) -----------------
     offline = cfg.capture.mode == "offline"
-    store_argmax = ds.d2t is not None  # the teacher head then computes only the draft-vocab rows
+    store_argmax = fam.reduced_vocab  # the teacher head then computes only the draft-vocab rows
     if offline:
         cap_dir = Path(cfg.capture.dir or run_dir / "capture")
         if d.main:
             capture_offline(target, prep.train, cap_dir, layer_ids, feat_dtype, cfg.capture.shard_samples,
                             cfg.capture.batch_tokens, progress=cfg.logging.progress, argmax=store_argmax)
-        L.barrier(d)
+        barrier(d)
         L.trim_freed_memory()  # the capture's shard buffers are not needed again
         feats = ShardedFeatures(cap_dir)
         items, lengths = feats, feats.lengths
@@ -206,7 +206,7 @@ def main(argv: list[str]) -> Path:
         log(f"\ndraft saved to {final}\nnext: drafthead eval draft={final} dataset=mt_bench max_prompts=10")
     else:
         log(f"\nstopped at step {step} of {total_steps}; run the same command again to resume")
-    L.barrier(d)
+    barrier(d)
     return final
 
 

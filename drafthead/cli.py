@@ -9,7 +9,7 @@ import importlib
 import sys
 
 COMMANDS: dict[str, str] = {
-    "capture": "trainer.capture:main",
+    "capture": "trainer.commands:capture",
     "eval": "eval:main",
     "bench": "eval.bench:main",
     "export": "drafthead.export:main",

@@ -20,8 +20,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
+from drafthead.family import Family
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, rope_cos_sin, shift, soft_cross_entropy,
+                              ttt_attention)
 from drafthead.vocab import target_to_draft
+
+
+@dataclass
+class Eagle3Options:
+    """The recipe section `drafter.eagle3.*`."""
+
+    num_draft_tokens: int = 7  # training-time-test steps (draft depths trained)
+    draft_vocab_size: int = 32000  # the most frequent loss-masked target tokens (d2t / t2d)
+    step_decay: float = 0.8  # loss weight of step i: step_decay ** i
+    hard_label_weight: float = 0.0  # mix lambda of a one-hot on the target argmax into the soft target
+    feature_loss_weight: float = 0.0  # > 0 adds EAGLE-1's regression of the draft hidden onto the target's
+    intermediate_size: int | None = None  # null = the target's
+    init: str = "auto"  # auto = random (the embedding is always the target's)
+    init_head_from_target: bool = False  # start lm_head/norm from the target's (rows of the draft vocab)
+
+    def validate(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError("num_draft_tokens: must be >= 1")
+        if self.draft_vocab_size < 1:
+            raise ValueError("draft_vocab_size: must be >= 1")
+        if not 0 <= self.hard_label_weight <= 1:
+            raise ValueError(f"hard_label_weight: {self.hard_label_weight} (must be in [0, 1])")
+        if self.feature_loss_weight < 0:
+            raise ValueError(f"feature_loss_weight: {self.feature_loss_weight} (must be >= 0)")
+        if self.init not in INITS:
+            raise ValueError(f"init: {self.init!r} (choose from {', '.join(INITS)})")
+
+
+INITS = ("auto", "random")
 
 
 @dataclass
@@ -40,7 +71,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False  # residual = fc output (SpecForge/SGLang), not its norm
-    ttt_steps: int = 7
+    num_draft_tokens: int = 7  # training-time-test steps: draft depths trained
     step_decay: float = 0.8
     feature_loss_weight: float = 0.0  # > 0: also regress norm(draft hidden) onto the target's last hidden (EAGLE-1)
     hard_label_weight: float = 0.0  # lambda: train towards (1 - lambda) * p_target + lambda * onehot(target argmax)
@@ -128,6 +159,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Drafter(nn.Module):
     family = "eagle3"
+    features = "aux"  # a prefix entry reads the fused aux features of the target
+    draft_modes = ("chain", "tree")
 
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()
@@ -145,11 +178,35 @@ class Eagle3Drafter(nn.Module):
     def capture_layer_ids(self) -> list[int]:
         return list(self.config.aux_layer_ids)
 
+    def check_target(self, tcfg: Any) -> list[str]:
+        """Mismatches with a target's HF config, as messages (none: the draft fits)."""
+        c, problems = self.config, []
+        if c.target_hidden_size != tcfg.hidden_size:
+            problems.append(f"hidden size: draft expects target_hidden_size={c.target_hidden_size}, "
+                            f"target has hidden_size={tcfg.hidden_size}")
+        if c.vocab_size != tcfg.vocab_size:
+            problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
+        n = tcfg.num_hidden_layers
+        bad = [i for i in c.aux_layer_ids if not 0 <= i < n]
+        if bad or not c.aux_layer_ids:
+            problems.append(f"aux layer ids {list(c.aux_layer_ids)} out of range for a target with {n} decoder "
+                            f"layers")
+        if not problems:
+            top = int(self.draft_to_target(torch.arange(c.draft_vocab_size, device=self.d2t.device)).max())
+            if top >= tcfg.vocab_size:
+                problems.append(f"vocab: d2t maps draft ids to target id {top} >= target vocab {tcfg.vocab_size}")
+        return problems
+
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any:
+        from drafthead.runtime.draft import DraftRunner
+
+        return DraftRunner(self, batch, capacity, device)
+
     @torch.no_grad()
     def init_from_target(self, embed: torch.Tensor, lm_head: torch.Tensor | None = None,
                          final_norm: torch.Tensor | None = None) -> None:
         """Copy the target's embedding (frozen) and, optionally, its lm_head rows of the draft vocabulary
-        and its final norm (`drafter.init_head_from_target`; on the default recipe it learned slower
+        and its final norm (`drafter.eagle3.init_head_from_target`; on the default recipe it learned slower
         than a random head, see docs/experiment_log.md, row B)."""
         self.embed_tokens.weight.copy_(embed)
         if lm_head is not None:
@@ -162,8 +219,8 @@ class Eagle3Drafter(nn.Module):
 
     # ---- training: unrolled training-time test -------------------------------------------------
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
-                target_argmax: torch.Tensor, loss_mask: torch.Tensor, ttt_steps: int | None = None,
-                feature_target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None,
+                num_draft_tokens: int | None = None) -> dict[str, torch.Tensor]:
         """TTT loss.
 
         Args:
@@ -173,13 +230,13 @@ class Eagle3Drafter(nn.Module):
                 draft vocab at position j (predicting x_{j+1}); only rows j with loss_mask[j+1] are read.
             target_argmax: [B, T] full-vocab target argmax at position j (-1 where unknown).
             loss_mask: [B, T] 1 on assistant tokens.
-            feature_target: [B, T, H] the target's last hidden state after its final norm (what its lm_head
-                reads), needed when `feature_loss_weight` > 0: step i at row t then also regresses
+            last_hidden: [B, T, H] the target's last hidden state after its final norm (what its lm_head
+                reads); needed when `feature_loss_weight` > 0: step i at row t then also regresses
                 norm(draft hidden) onto row t+1+i (smooth L1), a dense signal per token as in EAGLE-1.
         Returns dict with `loss` (scalar), and per step `correct`, `count`, `step_loss` ([K] each).
         """
         c = self.config
-        K = ttt_steps or c.ttt_steps
+        K = num_draft_tokens or c.num_draft_tokens
         B, T = input_ids.shape
         layer = self.midlayer
         attn = layer.self_attn
@@ -189,23 +246,16 @@ class Eagle3Drafter(nn.Module):
         vals: list[torch.Tensor] = []
         total = hidden.new_zeros(())
         step_loss, correct, count = [], [], []
-        scale = c.head_dim ** -0.5
         for i in range(K):
-            ids_i = _shift(input_ids, 1 + i)  # [B, T]  token x_{t+1+i}
-            mask_i = _shift(loss_mask, 2 + i).bool()  # [B, T]  x_{t+2+i} is an assistant token
+            ids_i = shift(input_ids, 1 + i)  # [B, T]  token x_{t+1+i}
+            mask_i = shift(loss_mask, 2 + i).bool()  # [B, T]  x_{t+2+i} is an assistant token
             pos = torch.arange(T, device=input_ids.device).expand(B, T) + i  # [B, T]
             x, residual = layer.pre(self.embed_tokens(ids_i).to(hidden.dtype), hidden)
             q, k, v = attn.qkv(x, pos)  # [B, h, T, D], [B, kvh, T, D] x2
             keys.append(attn.expand_kv(k))
             vals.append(attn.expand_kv(v))
             # scores vs step-0 keys (causal) and the diagonal of every later step's keys
-            s0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, T, T]
-            s0 = s0.masked_fill(~causal, float("-inf"))
-            sd = [(q * kj).sum(-1, keepdim=True) * scale for kj in keys[1:]]  # i x [B, h, T, 1]
-            p = torch.cat([s0, *sd], dim=-1).float().softmax(-1).to(q.dtype)  # [B, h, T, T+i]
-            o = p[..., :T] @ vals[0]  # [B, h, T, D]
-            for j, vj in enumerate(vals[1:]):
-                o = o + p[..., T + j: T + j + 1] * vj
+            o = ttt_attention(q, keys[0], vals[0], keys[1:], vals[1:], causal)  # [B, h, T, D]
             o = o.transpose(1, 2).reshape(B, T, -1)  # [B, T, h*D]
             hidden = layer.post(o, residual)  # [B, T, H]
 
@@ -223,9 +273,9 @@ class Eagle3Drafter(nn.Module):
             n = max(int(b_idx.numel()), 1)
             li = (ce * in_vocab).sum() / n
             if c.feature_loss_weight > 0:
-                if feature_target is None:
-                    raise ValueError("feature_loss_weight > 0 needs feature_target (the target's last hidden)")
-                want = feature_target[b_idx, t_idx + 1 + i].float()  # [M, H]
+                if last_hidden is None:
+                    raise ValueError("feature_loss_weight > 0 needs last_hidden (the target's last hidden state)")
+                want = last_hidden[b_idx, t_idx + 1 + i].float()  # [M, H]
                 li = li + c.feature_loss_weight * F.smooth_l1_loss(normed.float(), want, reduction="sum") / (
                     n * want.shape[-1])
             total = total + (c.step_decay ** i) * li
@@ -272,11 +322,37 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(out)), out, (k, v)
 
 
-def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, t] <- x[:, t+n], zero-filled on the right."""
-    if n == 0:
-        return x
-    out = torch.zeros_like(x)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
+# ---- the family record: what the trainer, runtime and exporters ask of EAGLE3 -----------------------
+def build(tcfg: Any, options: Eagle3Options, layer_ids: list[int] | None, draft_vocab_size: int | None
+          ) -> Eagle3Config:
+    return Eagle3Config.from_target(tcfg, draft_vocab_size or options.draft_vocab_size, layer_ids,
+                                    intermediate_size=options.intermediate_size,
+                                    num_draft_tokens=options.num_draft_tokens, step_decay=options.step_decay,
+                                    feature_loss_weight=options.feature_loss_weight,
+                                    hard_label_weight=options.hard_label_weight)
+
+
+def init(drafter: Eagle3Drafter, target: Any, options: Eagle3Options) -> str:
+    """The target's embedding and, with `init_head_from_target`, its head rows and final norm (d2t is set)."""
+    from drafthead.target import final_norm_weight, lm_head_weight
+
+    head = options.init_head_from_target
+    drafter.init_from_target(target.model.get_input_embeddings().weight,
+                             lm_head_weight(target.model) if head else None,
+                             final_norm_weight(target.model) if head else None)
+    return "head from target" if head else "random"
+
+
+def describe(options: Eagle3Options, config: Eagle3Config) -> str:
+    return f"aux layers {config.aux_layer_ids}, TTT {config.num_draft_tokens} steps"
+
+
+FAMILY = Family(
+    name="eagle3", options=Eagle3Options, config=Eagle3Config, model=Eagle3Drafter, build=build, init=init,
+    reduced_vocab=True, describe=describe,
+    exporters={"sglang": "drafthead.export.eagle3:to_sglang", "speculators": "drafthead.export.eagle3:to_speculators",
+               "gguf": "drafthead.export.eagle3:to_gguf"},
+    readers={"sglang": "drafthead.export.eagle3:read_back", "speculators": "drafthead.export.eagle3:read_back",
+             "gguf": "drafthead.export.gguf:read_back"},
+    renamed_keys={"ttt_steps": "num_draft_tokens"},
+)

@@ -1,4 +1,5 @@
-"""Small building blocks shared by drafter families: RMSNorm, RoPE, SwiGLU.
+"""Small building blocks shared by drafter families: RMSNorm, RoPE, SwiGLU, soft cross-entropy and the
+training-time-test attention pattern.
 
 Kept minimal and HF-compatible (same parameter names as transformers' Llama) so that weights copied
 from a target layer, and the files we export, line up with what SGLang / vLLM / llama.cpp expect.
@@ -93,3 +94,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rot * sin).to(x.dtype)
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
+                  diag_v: list[torch.Tensor], causal: torch.Tensor) -> torch.Tensor:
+    """Training-time-test attention (EAGLE3's TTT): what a KV-cached draft chain attends to at depth
+    len(diag_k), for every position at once. Row t attends causally to the step-0 entries (k0, v0), built
+    from the target's features, and to row t alone of each later step's entries (diag_k / diag_v), the
+    draft's own earlier outputs along that row's chain.
+
+    q [B, h, T, D]; k0, v0 [B, h, T, D] (kv heads already expanded); diag_k / diag_v lists of [B, h, T, D];
+    causal [T, T] bool. Returns [B, h, T, D]. Softmax in fp32.
+    """
+    T = k0.shape[2]
+    scale = q.shape[-1] ** -0.5
+    s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
+    s0 = s0.masked_fill(~causal, float("-inf"))
+    sd = [(q * kj).sum(-1, keepdim=True) * scale for kj in diag_k]  # [B, h, T, 1] each
+    p = torch.cat([s0, *sd], dim=-1).float().softmax(-1).to(q.dtype)  # [B, h, T, T+n]
+    o = p[..., :T] @ v0  # [B, h, T, D]
+    for j, vj in enumerate(diag_v):
+        o = o + p[..., T + j: T + j + 1] * vj
+    return o
+
+
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t] <- x[:, t+n], zero-filled on the right (the targets of draft depth n-1 at row t)."""
+    if n == 0:
+        return x
+    out = torch.zeros_like(x)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out

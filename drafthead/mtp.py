@@ -42,18 +42,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
+from drafthead.family import Family
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, shift, soft_cross_entropy, ttt_attention
+from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
 
 FASTMTP_STEP_WEIGHTS = [0.51, 0.31, 0.18]  # TencentBAC/FastMTP mtp_loss_step_weights for K = 3
 ATTENTION_MODES = ("causal", "chain")
-# model types whose MTP/decoder blocks use a gated attention output and (1 + w) RMSNorms
-_QWEN_NEXT_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 
 
 def decay_weights(k: int, beta: float = 0.8) -> list[float]:
     """beta^i normalised to sum 1 (speculators/SpecForge use beta 0.6, EAGLE3 TTT 0.8 unnormalised)."""
     w = [beta ** i for i in range(k)]
     return [x / sum(w) for x in w]
+
+
+@dataclass
+class MtpOptions:
+    """The recipe section `drafter.mtp.*`."""
+
+    num_draft_tokens: int = 1  # depths K trained (predicting x_{t+2} .. x_{t+1+K})
+    recursive: bool = True  # one module applied K times (FastMTP, vLLM) vs K modules (DeepSeek-V3)
+    step_weights: list[float] | None = None  # loss weight per depth; null = 0.8^k normalised
+    train_head: bool = False  # also train the shared norm + lm_head copy (else frozen = the target's)
+    attention: str = "causal"  # causal within each depth (DeepSeek) | chain (what the runtime chain sees)
+    intermediate_size: int | None = None  # null = the target's
+    init: str = "auto"  # auto (native MTP weights if present, else target) | native | target | random
+
+    def validate(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError("num_draft_tokens: must be >= 1")
+        if self.step_weights is not None and len(self.step_weights) != self.num_draft_tokens:
+            raise ValueError(f"step_weights: {len(self.step_weights)} weights for num_draft_tokens="
+                             f"{self.num_draft_tokens} depths (one per depth)")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention: {self.attention!r} (choose from {', '.join(ATTENTION_MODES)})")
+        if self.init not in INITS:
+            raise ValueError(f"init: {self.init!r} (choose from {', '.join(INITS)})")
+
+
+INITS = ("auto", "native", "target", "random")
 
 
 @dataclass
@@ -73,7 +100,7 @@ class MtpConfig:
     qk_norm: bool = False
     attn_output_gate: bool = False
     norm_unit_offset: bool = False
-    num_modules: int = 1  # K: depths trained (x_{t+2} .. x_{t+1+K})
+    num_draft_tokens: int = 1  # K: depths trained (x_{t+2} .. x_{t+1+K})
     recursive: bool = True  # one module applied K times, or K modules
     step_weights: list[float] | None = None  # loss weight per depth; None = 0.8^k normalised
     train_head: bool = False  # train the shared norm + head copy (else frozen = the target's)
@@ -82,14 +109,14 @@ class MtpConfig:
     native_layers: int = 0  # MTP layers the target checkpoint declares (for export), 0 = none
 
     def __post_init__(self) -> None:
-        if self.num_modules < 1:
-            raise ValueError(f"MTP num_modules must be >= 1, got {self.num_modules}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"MTP num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.step_weights is None:
-            self.step_weights = decay_weights(self.num_modules)
+            self.step_weights = decay_weights(self.num_draft_tokens)
         self.step_weights = [float(w) for w in self.step_weights]
-        if len(self.step_weights) != self.num_modules:
-            raise ValueError(f"MTP step_weights has {len(self.step_weights)} entries for num_modules="
-                             f"{self.num_modules} depths (one weight per depth)")
+        if len(self.step_weights) != self.num_draft_tokens:
+            raise ValueError(f"MTP step_weights has {len(self.step_weights)} entries for num_draft_tokens="
+                             f"{self.num_draft_tokens} depths (one weight per depth)")
         if any(w < 0 for w in self.step_weights) or sum(self.step_weights) <= 0:
             raise ValueError(f"MTP step_weights must be >= 0 with a positive sum, got {self.step_weights}")
         if self.attention not in ATTENTION_MODES:
@@ -102,7 +129,7 @@ class MtpConfig:
 
     @property
     def stored_modules(self) -> int:
-        return 1 if self.recursive else self.num_modules
+        return 1 if self.recursive else self.num_draft_tokens
 
     @classmethod
     def from_target(cls, hf_config: Any, **overrides: Any) -> "MtpConfig":
@@ -116,7 +143,7 @@ class MtpConfig:
         theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
         partial = rope.get("partial_rotary_factor", getattr(t, "partial_rotary_factor", 1.0)) or 1.0
         mt = getattr(t, "model_type", "")
-        qwen_next = mt in _QWEN_NEXT_TYPES
+        qwen_next = mt in QWEN_NEXT_TYPES
         kw = dict(
             hidden_size=t.hidden_size,
             intermediate_size=t.intermediate_size,
@@ -140,16 +167,6 @@ class MtpConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def native_mtp_layers(text_config: Any) -> int:
-    """MTP layers a checkpoint declares: DeepSeek/GLM/MiMo `num_nextn_predict_layers`, Qwen3.5
-    `mtp_num_hidden_layers`, MiniMax `num_mtp_modules` (transformers' alias `num_mtp_layers`)."""
-    for name in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules", "num_mtp_layers"):
-        n = getattr(text_config, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return 0
 
 
 class MtpRMSNorm(RMSNorm):
@@ -260,7 +277,7 @@ class MtpModule(nn.Module):
 
 class MtpDrafter(nn.Module):
     family = "mtp"
-    inputs = ("last",)  # the trainer / runtime feed the target's last hidden state, not aux features
+    features = "last"  # a prefix entry reads the target's last hidden state, not aux features
 
     def __init__(self, c: MtpConfig) -> None:
         super().__init__()
@@ -284,6 +301,25 @@ class MtpDrafter(nn.Module):
         """Distinct modules a draft chain cycles through (each keeps its own KV cache in the runtime)."""
         return len(self.layers)
 
+    @property
+    def draft_modes(self) -> tuple[str, ...]:
+        """Trees need one module: with several, each tree level would need its module's own prefix cache."""
+        return ("chain", "tree") if self.chain_modules == 1 else ("chain",)
+
+    def check_target(self, tcfg: Any) -> list[str]:
+        """Mismatches with a target's HF config, as messages (none: the draft fits)."""
+        c, problems = self.config, []
+        if c.hidden_size != tcfg.hidden_size:
+            problems.append(f"hidden size: MTP draft has hidden_size={c.hidden_size}, target has {tcfg.hidden_size}")
+        if c.vocab_size != tcfg.vocab_size:
+            problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
+        return problems
+
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any:
+        from drafthead.runtime.draft import DraftRunner, ModuleChainRunner
+
+        return (ModuleChainRunner if self.chain_modules > 1 else DraftRunner)(self, batch, capacity, device)
+
     def module_for(self, depth: int) -> int:
         return depth % len(self.layers)
 
@@ -303,14 +339,13 @@ class MtpDrafter(nn.Module):
         hidden = self.fuse(last_hidden)  # [B, T, H]
         causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
         base = torch.arange(T, device=dev).expand(B, T)  # [B, T]
-        scale = c.head_dim ** -0.5
         ctx: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # chain: module -> depth-0 keys/values
         diag: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # chain: module -> later-depth k/v
         outs = []
-        for k in range(c.num_modules):
+        for k in range(c.num_draft_tokens):
             m = self.layers[self.module_for(k)]
             attn = m.self_attn
-            emb = self.embed_tokens(_shift(input_ids, 1 + k)).to(hidden.dtype)  # [B, T, H] x_{t+1+k}
+            emb = self.embed_tokens(shift(input_ids, 1 + k)).to(hidden.dtype)  # [B, T, H] x_{t+1+k}
             x = m.mix(emb, hidden)  # [B, T, H]
             xn = m.input_layernorm(x)
             q, gate = attn.q(xn, base + k)  # [B, h, T, D]
@@ -323,28 +358,23 @@ class MtpDrafter(nn.Module):
                     if k == 0:
                         ctx[mi] = (kk, vv)
                     else:
-                        e0 = self.embed_tokens(_shift(input_ids, 1)).to(hidden.dtype)
+                        e0 = self.embed_tokens(shift(input_ids, 1)).to(hidden.dtype)
                         ctx[mi] = attn.kv(m.input_layernorm(m.mix(e0, self.fuse(last_hidden))), base)
                     diag[mi] = []
                 if k > 0:
                     diag[mi].append((kk, vv))
                 k0, v0 = (attn.expand_kv(t) for t in ctx[mi])
-                s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
-                s0 = s0.masked_fill(~causal, float("-inf"))
                 dk = [attn.expand_kv(a) for a, _ in diag[mi]]
                 dv = [attn.expand_kv(b) for _, b in diag[mi]]
-                sd = [(q * kj).sum(-1, keepdim=True) * scale for kj in dk]  # [B, h, T, 1] each
-                p = torch.cat([s0, *sd], dim=-1).float().softmax(-1).to(q.dtype)  # [B, h, T, T+n]
-                o = p[..., :T] @ v0  # [B, h, T, D]
-                for j, vj in enumerate(dv):
-                    o = o + p[..., T + j: T + j + 1] * vj
+                o = ttt_attention(q, k0, v0, dk, dv, causal)  # [B, h, T, D]
             out = m.finish(x, attn.out(o, gate))  # [B, T, H]
             outs.append(out)
             hidden = m.shared_head.norm(out) if c.chain_normed else out
         return outs
 
     def forward(self, input_ids: torch.Tensor, last_hidden: torch.Tensor, teacher_probs: torch.Tensor,
-                target_argmax: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
         """Weighted soft cross-entropy against the target over K depths.
 
         Args:
@@ -354,6 +384,7 @@ class MtpDrafter(nn.Module):
                 (predicting x_{j+1}); only rows j with loss_mask[j+1] are read.
             target_argmax: [B, T] target argmax at position j (-1 where unknown).
             loss_mask: [B, T] 1 on assistant tokens.
+            aux_hidden: not read (MTP captures no aux layers).
         Returns dict with `loss` (scalar) and per depth `step_loss`, `correct`, `count` ([K] each).
         """
         c = self.config
@@ -364,7 +395,7 @@ class MtpDrafter(nn.Module):
         step_loss, correct, count = [], [], []
         for k, out in enumerate(self.depth_hidden(input_ids, last_hidden)):
             m = self.layers[self.module_for(k)]
-            mask_k = _shift(loss_mask, 2 + k).bool()  # [B, T]  x_{t+2+k} is an assistant token
+            mask_k = shift(loss_mask, 2 + k).bool()  # [B, T]  x_{t+2+k} is an assistant token
             b_idx, t_idx = mask_k.nonzero(as_tuple=True)  # M rows with a target to match
             logits = m.shared_head.head(m.shared_head.norm(out[b_idx, t_idx]))  # [M, V] (loss in fp32)
             teach = teacher_probs[b_idx, t_idx + 1 + k]  # [M, V]
@@ -410,14 +441,6 @@ class MtpDrafter(nn.Module):
         out = m.finish(x, attn.out(o, gate))  # [B, T, H]
         normed = m.shared_head.norm(out)
         return m.shared_head.head(normed), (normed if self.config.chain_normed else out), (k, v)
-
-
-def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, t] <- x[:, t+n], zero-filled on the right."""
-    out = torch.zeros_like(x)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -473,8 +496,6 @@ def init_from_native(drafter: MtpDrafter, state_dict: dict[str, torch.Tensor], c
     steps than layers). The shared head falls back to what is already there (call `init_from_target`
     first) when the checkpoint shares the target's lm_head. Returns n, the native layers found.
     """
-    from drafthead.mtp_native import to_ours
-
     ours = to_ours(state_dict, config)
     n = 1 + max(int(k.split(".")[1]) for k in ours) if ours else 0
     if n == 0:
@@ -494,3 +515,47 @@ def init_from_native(drafter: MtpDrafter, state_dict: dict[str, torch.Tensor], c
         for k, t in got.items():
             _copy(want[k], t, f"native layer {j % n}: {k}")
     return n
+
+
+# ---------------------------------------------------------------------------------------------------
+# the family record: what the trainer, runtime and exporters ask of MTP
+def build(tcfg: Any, options: MtpOptions, layer_ids: list[int] | None, draft_vocab_size: int | None) -> MtpConfig:
+    """Sized like one decoder layer of the target; MTP reads no aux layers and predicts the full vocab."""
+    return MtpConfig.from_target(tcfg, intermediate_size=options.intermediate_size,
+                                 num_draft_tokens=options.num_draft_tokens, recursive=options.recursive,
+                                 step_weights=options.step_weights, train_head=options.train_head,
+                                 attention=options.attention)
+
+
+def init(drafter: MtpDrafter, target: Any, options: MtpOptions) -> str:
+    """The embedding and the shared head always; the block from `init`: "native" (the checkpoint's own
+    MTP layers), "target" (its last decoder layer), "random", or "auto" (native when present, else target)."""
+    from drafthead.target import resolve_target
+
+    native = None
+    if options.init in ("auto", "native"):
+        path, gguf = resolve_target(target.name_or_path, target.gguf_file)
+        native = None if gguf else read_native(path, target.config)
+        if native is None and options.init == "native":
+            raise ValueError(f"drafter.mtp.init=native: target {target.name_or_path!r} has no native MTP weights "
+                             f"(needs a safetensors checkpoint declaring num_nextn_predict_layers / "
+                             f"mtp_num_hidden_layers with those tensors)")
+    init_from_target(drafter, target.model, block=options.init in ("auto", "target") and native is None)
+    if native is not None:
+        n = init_from_native(drafter, native, target.config)
+        return f"native ({n} MTP layer{'s' if n > 1 else ''} from the checkpoint)"
+    return "target (last decoder layer)" if options.init in ("auto", "target") else "random"
+
+
+def describe(options: MtpOptions, config: MtpConfig) -> str:
+    K = config.num_draft_tokens
+    return f"{K} depths ({'one module applied K times' if config.recursive else f'{K} modules'})"
+
+
+FAMILY = Family(
+    name="mtp", options=MtpOptions, config=MtpConfig, model=MtpDrafter, build=build, init=init,
+    reduced_vocab=False, describe=describe,
+    exporters={"hf": "drafthead.export.mtp:export_hf", "gguf": "drafthead.export.mtp:export_gguf"},
+    readers={"hf": "drafthead.export.mtp:read_back"},
+    renamed_keys={"num_modules": "num_draft_tokens"},
+)

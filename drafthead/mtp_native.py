@@ -1,4 +1,5 @@
-"""Native MTP weights in target checkpoints <-> drafthead's MTP names, and reading them from safetensors.
+"""Native MTP weights in target checkpoints: how many layers a config declares, their names <-> drafthead's
+MTP names, and reading them from safetensors.
 
 Two layouts exist (reference notes, section 3; transformers `conversion_mapping` "MtpModel"):
 - "nextn" (DeepSeek-V3, GLM-4.5/4.7, MiMo, ...): extra decoder layers `model.layers.{N+i}.*` with
@@ -18,10 +19,20 @@ from typing import Any
 
 import torch
 
-from drafthead.mtp import _QWEN_NEXT_TYPES, native_mtp_layers
-
+# model types whose MTP/decoder blocks use a gated attention output and (1 + w) RMSNorms
+QWEN_NEXT_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 QWEN_SHARED = {"fc.weight": "eh_proj.weight", "pre_fc_norm_embedding.weight": "enorm.weight",
                "pre_fc_norm_hidden.weight": "hnorm.weight", "norm.weight": "shared_head.norm.weight"}
+
+
+def native_mtp_layers(text_config: Any) -> int:
+    """MTP layers a checkpoint declares: DeepSeek/GLM/MiMo `num_nextn_predict_layers`, Qwen3.5
+    `mtp_num_hidden_layers`, MiniMax `num_mtp_modules` (transformers' alias `num_mtp_layers`)."""
+    for name in ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules", "num_mtp_layers"):
+        n = getattr(text_config, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 0
 
 
 def _text(config: Any) -> Any:
@@ -30,7 +41,7 @@ def _text(config: Any) -> Any:
 
 def layout(config: Any) -> str:
     """'mtp' for Qwen3.5 / Qwen3-Next checkpoints, else 'nextn'."""
-    return "mtp" if getattr(_text(config), "model_type", "") in _QWEN_NEXT_TYPES else "nextn"
+    return "mtp" if getattr(_text(config), "model_type", "") in QWEN_NEXT_TYPES else "nextn"
 
 
 def native_prefixes(config: Any) -> tuple[str, ...]:

@@ -5,107 +5,54 @@ A draft directory holds:
   architecture, num_hidden_layers, hidden_size, vocab_size}, "drafthead_version": str}
 - `model.safetensors`: the family's weights and buffers. The token embedding is a frozen copy of the
   target's and is not saved (as in SGLang/vLLM EAGLE3 checkpoints); `load_draft` takes it from the
-  target. MTP's shared head (a copy of the target's final norm + lm_head, frozen by default) is saved:
-  it is part of the layout MTP exports to.
+  target. Everything else a family keeps (a frozen copy of the target's head, say) is saved when it is
+  part of the layout the family exports to.
 """
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
+from drafthead import eagle3, mtp
+from drafthead.family import Family
 from drafthead.io import atomic_dir
-from drafthead.mtp import MtpConfig, MtpDrafter
+from drafthead.vocab import draft_ids
 
-DRAFTERS: dict[str, tuple[type, type]] = {
-    "eagle3": (Eagle3Config, Eagle3Drafter),
-    "mtp": (MtpConfig, MtpDrafter),
+# one line per family (its file ends in `FAMILY = Family(...)`)
+FAMILIES: dict[str, Family] = {
+    "eagle3": eagle3.FAMILY,
+    "mtp": mtp.FAMILY,
 }
 NOT_SAVED = ("embed_tokens.weight",)  # every family's frozen copy of the target's token embedding
-REDUCED_VOCAB = ("eagle3",)  # families that predict over a draft vocabulary (d2t / t2d)
-INITS = {"eagle3": ("auto", "random"), "mtp": ("auto", "native", "target", "random")}
 FORMAT_VERSION = "drafthead-0.1"
 
 
-def build_drafter(family: str, config: Any) -> torch.nn.Module:
-    if family not in DRAFTERS:
-        raise ValueError(f"unknown drafter family {family!r}; known: {sorted(DRAFTERS)}")
-    cfg_cls, model_cls = DRAFTERS[family]
+def family(name: str, error: type[ValueError] = ValueError) -> Family:
+    if name not in FAMILIES:
+        raise error(f"unknown drafter family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def make_config(name: str, draft: dict, error: type[ValueError] = ValueError) -> Any:
+    """The family's config from a saved "draft" dict (keys renamed since it was written are read too)."""
+    fam = family(name, error)
+    draft = {fam.renamed_keys.get(k, k): v for k, v in draft.items()}
+    try:
+        return fam.config(**draft)
+    except (TypeError, ValueError) as e:
+        raise error(f"bad 'draft' section for family {name!r}: {e}") from None
+
+
+def build_drafter(name: str, config: Any) -> torch.nn.Module:
     if isinstance(config, dict):
-        config = cfg_cls(**config)
-    return model_cls(config)
-
-
-def build_for_target(family: str, target_config: Any, options: Any, aux_layer_ids: list[int] | None = None,
-                     draft_vocab_size: int | None = None) -> torch.nn.Module:
-    """A fresh drafter sized for the target. `options` is the recipe's `drafter` section (any object with
-    its fields: intermediate_size, ttt_steps, step_decay, num_modules, recursive, step_weights, ...)."""
-    if family == "eagle3":
-        cfg: Any = Eagle3Config.from_target(target_config, draft_vocab_size, aux_layer_ids,
-                                            intermediate_size=options.intermediate_size,
-                                            ttt_steps=options.ttt_steps, step_decay=options.step_decay,
-                                            feature_loss_weight=options.feature_loss_weight,
-                                            hard_label_weight=options.hard_label_weight)
-    elif family == "mtp":
-        cfg = MtpConfig.from_target(target_config, intermediate_size=options.intermediate_size,
-                                    num_modules=options.num_modules, recursive=options.recursive,
-                                    step_weights=options.step_weights, train_head=options.train_head,
-                                    attention=options.attention)
-    else:
-        raise ValueError(f"unknown drafter family {family!r}; known: {sorted(DRAFTERS)}")
-    return build_drafter(family, cfg)
-
-
-def num_steps(config: Any) -> int:
-    """Draft depths one training forward reports (`correct` / `count` length)."""
-    return config.ttt_steps if isinstance(config, Eagle3Config) else config.num_modules
-
-
-def init_for_target(drafter: torch.nn.Module, target: Any, options: Any, d2t: torch.Tensor | None = None,
-                    t2d: torch.Tensor | None = None) -> str:
-    """Copy what the drafter shares with the target and initialise the rest; returns what was done.
-    `options` is the recipe's `drafter` section (`init`, `init_head_from_target`).
-
-    EAGLE3: the d2t/t2d vocabulary mapping, the embedding and, with `init_head_from_target`, the head rows
-    and final norm (the rest stays random).
-    MTP: the embedding and the shared head always; the block from `init`: "native" (the checkpoint's own
-    MTP layers), "target" (its last decoder layer), "random", or "auto" (native when present, else target).
-    """
-    from drafthead.target import final_norm_weight, lm_head_weight, resolve_target
-
-    family, init = drafter.family, getattr(options, "init", "auto")
-    if init not in INITS[family]:
-        raise ValueError(f"drafter.init={init!r} for family {family!r}: choose from {', '.join(INITS[family])}")
-    if family == "eagle3":
-        with torch.no_grad():
-            drafter.d2t.copy_(d2t)
-            drafter.t2d.copy_(t2d)
-        head_init = getattr(options, "init_head_from_target", False)
-        drafter.init_from_target(target.model.get_input_embeddings().weight,
-                                 lm_head_weight(target.model) if head_init else None,
-                                 final_norm_weight(target.model) if head_init else None)
-        return "head from target" if head_init else "random"
-    from drafthead.mtp import init_from_native, init_from_target
-    from drafthead.mtp_native import read_native
-
-    native = None
-    if init in ("auto", "native"):
-        path, gguf = resolve_target(target.name_or_path, target.gguf_file)
-        native = None if gguf else read_native(path, target.config)
-        if native is None and init == "native":
-            raise ValueError(f"drafter.init=native: target {target.name_or_path!r} has no native MTP weights "
-                             f"(needs a safetensors checkpoint declaring num_nextn_predict_layers / "
-                             f"mtp_num_hidden_layers with those tensors)")
-    init_from_target(drafter, target.model, block=init in ("auto", "target") and native is None)
-    if native is not None:
-        n = init_from_native(drafter, native, target.config)
-        return f"native ({n} MTP layer{'s' if n > 1 else ''} from the checkpoint)"
-    return "target (last decoder layer)" if init in ("auto", "target") else "random"
+        config = make_config(name, config)
+    return family(name).model(config)
 
 
 def draft_state_dict(drafter: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -133,23 +80,78 @@ def read_draft_config(path: str | os.PathLike) -> dict:
     return meta
 
 
+@dataclass
+class LoadedDraft:
+    """A draft directory read and checked: what the runtime, eval and every exporter start from."""
+
+    path: Path
+    family: Family
+    config: Any
+    state: dict[str, torch.Tensor]  # every saved tensor (no embedding: it is the target's)
+    meta: dict  # config.json as written
+
+
+def read_draft(path: str | os.PathLike, error: type[ValueError] = ValueError) -> LoadedDraft:
+    """Read `path` (a `run_dir/final/`) and check its weights against the module its config describes
+    (built on the meta device: names and shapes, no memory): missing, unexpected, misshapen or
+    non-finite tensors, and a d2t / t2d pair that does not describe one vocabulary, are errors."""
+    path = Path(path)
+    if not path.is_dir():
+        raise error(f"draft directory not found: {path}")
+    try:
+        meta = read_draft_config(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise error(str(e)) from None
+    fam = family(meta["family"], error)
+    config = make_config(fam.name, meta["draft"], error)
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise error(f"{path}: no model.safetensors")
+    state = {k: v for k, v in load_file(str(weights)).items() if k not in NOT_SAVED}
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in fam.model(config).state_dict().items() if k not in NOT_SAVED}
+    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or unexpected:
+        more = lambda xs: f"{xs[:6]}{' ...' if len(xs) > 6 else ''}"  # noqa: E731
+        raise error(f"{path}: draft tensors do not match its config ({fam.name}): missing {more(missing)}, "
+                    f"unexpected {more(unexpected)}")
+    for k, shape in want.items():
+        if tuple(state[k].shape) != shape:
+            raise error(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
+        if state[k].is_floating_point() and not bool(torch.isfinite(state[k]).all()):
+            raise error(f"{path}: tensor {k} has NaN/inf values")
+    if fam.reduced_vocab:
+        check_vocab(state["d2t"], state["t2d"], str(path), error)
+    return LoadedDraft(path, fam, config, state, meta)
+
+
+def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str, error: type[ValueError] = ValueError) -> None:
+    """d2t (int64 offsets) and t2d (bool) must describe the same draft vocabulary inside the target's."""
+    if d2t.dtype != torch.int64:
+        raise error(f"{where}: d2t must be int64 offsets, got {d2t.dtype}")
+    if t2d.dtype != torch.bool:
+        raise error(f"{where}: t2d must be bool, got {t2d.dtype}")
+    ids = draft_ids(d2t)
+    if bool(((ids < 0) | (ids >= t2d.numel())).any()):
+        raise error(f"{where}: d2t maps draft ids outside the target vocabulary 0..{t2d.numel() - 1}")
+    if ids.unique().numel() != ids.numel():
+        raise error(f"{where}: d2t maps two draft ids to the same target id")
+    if int(t2d.sum()) != d2t.numel() or not bool(t2d[ids].all()):
+        raise error(f"{where}: t2d (marks {int(t2d.sum())} target ids) does not agree with d2t "
+                    f"({d2t.numel()} draft ids)")
+
+
 def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None,
                device: str | torch.device = "cpu") -> torch.nn.Module:
     """Rebuild a drafter from `path`. `embed_weight` is the target's token embedding [V, H]."""
-    meta = read_draft_config(path)
-    drafter = build_drafter(meta["family"], meta["draft"])
-    sd = load_file(str(Path(path) / "model.safetensors"))
-    expected = set(draft_state_dict(drafter))
-    missing, unexpected = expected - set(sd), set(sd) - expected
-    if missing or unexpected:
-        raise ValueError(f"{path}: draft weights do not match family {meta['family']!r}: "
-                         f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    own = drafter.state_dict()
-    for k, v in sd.items():
-        if own[k].shape != v.shape:
-            raise ValueError(f"{path}: tensor {k} has shape {tuple(v.shape)}, config implies {tuple(own[k].shape)}")
-    drafter.load_state_dict(sd, strict=False)
-    attach_embedding(drafter, embed_weight)
+    return instantiate(read_draft(path), embed_weight, device)
+
+
+def instantiate(draft: LoadedDraft, embed_weight: torch.Tensor | None = None,
+                device: str | torch.device = "cpu", error: type[ValueError] = ValueError) -> torch.nn.Module:
+    drafter = draft.family.model(draft.config)
+    drafter.load_state_dict(draft.state, strict=False)  # the embedding is not saved
+    attach_embedding(drafter, embed_weight, error)
     return drafter.to(device).eval()
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from drafthead.assets import ASSETS, asset_path
+from drafthead.assets import asset_path
 
 BUILTIN_TARGETS = {"smollm2-135m-instruct"}
 
@@ -64,7 +64,7 @@ def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "a
                 device: str | torch.device = "cpu") -> Target:
     """Load a frozen target once. dtype 'auto' = bf16 where bf16 is native (CUDA, AMX / AVX512-BF16 CPUs),
     fp32 elsewhere (`drafthead.hardware.resolve_dtype`)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from drafthead.hardware import resolve_dtype_name
 

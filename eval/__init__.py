@@ -1,6 +1,6 @@
 """`drafthead eval`: how much a draft speeds up its target on real prompts, and whether it stays lossless.
 
-    drafthead eval draft=runs/eagle3/final dataset=mt_bench max_prompts=16 max_new_tokens=128 out=eval_out
+    drafthead eval draft=runs/NAME/final dataset=mt_bench max_prompts=16 max_new_tokens=128 out=eval_out
 
 One run decodes every prompt twice with the same runtime: speculatively (mode chain/tree/ngram) and
 autoregressively (mode ar, the baseline), then writes out/report.json, report.md and two plots.
@@ -37,8 +37,8 @@ class EvalConfig:
     gguf_file: str | None = None
     heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
     mode: str | None = None  # default: chain with a draft, ngram without
-    num_draft_tokens: int = 4
-    depth: int = 5
+    num_draft_tokens: int = 4  # draft depth (chain length, deepest tree path)
+    tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4
     adaptive: bool = False
     ngram: bool = False
@@ -95,7 +95,7 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
               ("temperature", cfg.temperature, cfg.temperature >= 0, ">= 0"),
               ("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]"),
               ("num_draft_tokens", cfg.num_draft_tokens, cfg.num_draft_tokens >= 1, ">= 1"),
-              ("depth", cfg.depth, cfg.depth >= 1, ">= 1"),
+              ("tree_nodes", cfg.tree_nodes, cfg.tree_nodes >= 1, ">= 1"),
               ("topk", cfg.topk, cfg.topk >= 1, ">= 1"),
               ("ngram_n", cfg.ngram_n, cfg.ngram_n >= 1, ">= 1"),
               ("batch_size", cfg.batch_size, cfg.batch_size >= 1, ">= 1")]

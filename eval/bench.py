@@ -1,6 +1,6 @@
 """`drafthead bench`: decoding speed of every method on the same prompts and machine, in one run.
 
-    drafthead bench draft=runs/eagle3/final dataset=mt_bench max_prompts=8 max_new_tokens=128 out=bench.json
+    drafthead bench draft=runs/NAME/final dataset=mt_bench max_prompts=8 max_new_tokens=128 out=bench.json
     python scripts/bench_decode.py draft=none target=smollm2-135m-instruct
 
 Methods: our AR decoding, HF `generate` greedy, HF prompt-lookup decoding, our n-gram drafter, and our
@@ -37,9 +37,8 @@ class BenchConfig:
     heldout: str | None = None
     max_prompts: int = 8  # first user turn of each
     max_new_tokens: int = 128
-    num_draft_tokens: int = 4  # chain and n-gram
-    tree_num_draft_tokens: int | None = None  # tree node budget (default: num_draft_tokens)
-    depth: int = 5  # tree
+    num_draft_tokens: int = 4  # draft depth: chain length, deepest tree path, n-gram proposal
+    tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4  # tree
     ngram_n: int = 3
     prompt_lookup_num_tokens: int = 10  # HF prompt lookup
@@ -56,9 +55,7 @@ class BenchConfig:
 def validate(cfg: BenchConfig) -> None:
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(DATASETS)}")
-    if cfg.tree_num_draft_tokens is not None and cfg.tree_num_draft_tokens <= 0:
-        raise ValueError(f"tree_num_draft_tokens must be > 0, got {cfg.tree_num_draft_tokens}")
-    for name in ("max_prompts", "max_new_tokens", "num_draft_tokens", "depth", "topk", "ngram_n",
+    for name in ("max_prompts", "max_new_tokens", "num_draft_tokens", "tree_nodes", "topk", "ngram_n",
                  "prompt_lookup_num_tokens", "verify_prefix", "verify_repeats"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
@@ -193,7 +190,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     tok = target.tokenizer
     prompts = [chat_prompt(tok, [{"role": "user", "content": s.turns[0]}]) for s in samples]
 
-    base = dict(temperature=0.0, num_draft_tokens=cfg.num_draft_tokens, depth=cfg.depth, topk=cfg.topk,
+    base = dict(temperature=0.0, num_draft_tokens=cfg.num_draft_tokens, tree_nodes=cfg.tree_nodes, topk=cfg.topk,
                 ngram_n=cfg.ngram_n, batch_size=1)
     methods: dict[str, Callable | str] = {
         "ar (ours)": runtime_method(generator, SpecConfig(mode="ar", **base)),
@@ -204,12 +201,11 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
             generator, SpecConfig(mode="ngram", **base)),
     }
     chain = f"draft chain k={cfg.num_draft_tokens} (ours)"
-    budget = cfg.tree_num_draft_tokens or cfg.num_draft_tokens
-    tree = f"draft tree depth={cfg.depth} topk={cfg.topk} nodes={budget} (ours)"
+    tree = f"draft tree depth={cfg.num_draft_tokens} topk={cfg.topk} nodes={cfg.tree_nodes} (ours)"
     if drafter is not None:
         methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base))
         methods[chain + " + ngram"] = runtime_method(generator, SpecConfig(mode="chain", ngram=True, **base))
-        methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **{**base, "num_draft_tokens": budget}))
+        methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base))
     else:
         methods[chain] = methods[chain + " + ngram"] = methods[tree] = "skipped: draft=none"
 

@@ -1,6 +1,6 @@
 """Training throughput of a recipe on this machine.
 
-    python scripts/bench_train.py [recipe=eagle3_smollm2] [bench.batches=6] [key=value ...]
+    python scripts/bench_train.py [recipe=NAME] [bench.batches=6] [key=value ...]
 
 Prints, on real samples of the recipe's data: target forward tokens/s (no hooks), capture tokens/s
 (forward with the layer hooks, features copied out, the target's full-vocab argmax as offline capture stores
@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drafthead.hardware import cpu_capability, cpu_class, resolve_dtype_name  # noqa: E402
-from drafthead.registry import num_steps  # noqa: E402
 from drafthead.target import load_target  # noqa: E402
-from trainer import loop as L  # noqa: E402
+from trainer import engine as L  # noqa: E402
 from trainer.capture import collate, features_for_batch  # noqa: E402
 from trainer.config import parse_or_exit  # noqa: E402
 from trainer.prepare import build_draft, feature_dtype, prepare_samples  # noqa: E402
@@ -43,7 +42,7 @@ def main(argv: list[str]) -> None:
     target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
     prep = prepare_samples(cfg, target, d, Path("/tmp"), log=lambda *a: None)
     ds = build_draft(cfg, target, prep.train, d.device, log=lambda *a: None)
-    drafter, head, dcfg, d2t = ds.drafter, ds.head, ds.drafter.config, ds.d2t
+    drafter, head, d2t = ds.drafter, ds.head, ds.d2t
     engine = L.TorchEngine(drafter, cfg, 1000, d)
     fdt = feature_dtype(cfg.capture.dtype)
     layer_ids = drafter.capture_layer_ids()
@@ -66,7 +65,7 @@ def main(argv: list[str]) -> None:
     feats = {}
 
     def cap(b):
-        feats[id(b)] = features_for_batch(target, b, layer_ids, fdt, argmax=True)  # what capture stores
+        feats[id(b)] = features_for_batch(target, b, layer_ids, fdt, argmax=d2t is not None)  # what capture stores
 
     def train_step(fb):
         L.forward_backward(engine, fb, head, cfg.train.dtype, d.device)
@@ -79,11 +78,11 @@ def main(argv: list[str]) -> None:
         best["fwd"] = max(best["fwd"], timed(fwd))
         best["cap"] = max(best["cap"], timed(cap))
         best["train"] = max(best["train"], timed(lambda b: train_step(feats[id(b)])))
-        best["online"] = max(best["online"], timed(lambda b: train_step(features_for_batch(target, b, layer_ids, fdt, argmax=True))))
+        best["online"] = max(best["online"], timed(lambda b: train_step(features_for_batch(target, b, layer_ids, fdt, argmax=d2t is not None))))
     fwd_tps, cap_tps, train_tps, online_tps = best["fwd"], best["cap"], best["train"], best["online"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"recipe {cfg.recipe}: target {cfg.target.name_or_path} ({resolve_dtype_name(cfg.target.dtype, quiet=True)}), "
-          f"draft vocab {d2t.numel() if d2t is not None else 'full'}, K {num_steps(dcfg)}, batch {bs} x <= {cfg.data.max_length} tokens, "
+          f"draft vocab {d2t.numel() if d2t is not None else 'full'}, K {drafter.config.num_draft_tokens}, batch {bs} x <= {cfg.data.max_length} tokens, "
           f"train dtype {resolve_dtype_name(cfg.train.dtype, quiet=True)}, threads {torch.get_num_threads()}, "
           f"CPU class {cpu_class()} (capability {cpu_capability()})")
     print(f"target forward      {fwd_tps:8.0f} tok/s")

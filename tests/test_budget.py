@@ -142,7 +142,7 @@ def test_probe_with_too_few_samples_is_a_clear_error():
 
 def tiny_args(run: Path, target: Path, data: Path, **over) -> list[str]:
     kv = {"target.name_or_path": target, "target.dtype": "float32", "data.dataset": data, "data.num_holdout": 4,
-          "data.max_length": 96, "drafter.draft_vocab_size": 128, "capture.layer_ids": "[1,2,3]",
+          "data.max_length": 96, "drafter.eagle3.draft_vocab_size": 128, "capture.layer_ids": "[1,2,3]",
           "train.batch_size": 2, "train.dtype": "float32", "train.eval_every": 0, "train.save_every": 0,
           "budget.probe_samples": 16, "logging.wandb": "false", "logging.progress": "false", "output_dir": run,
           **over}

@@ -12,7 +12,7 @@ from safetensors import safe_open
 import trainer.capture as C
 from drafthead.target import TargetHead, lm_head_weight, load_target
 from trainer import data as D
-from trainer.loop import teacher_targets
+from trainer.engine import teacher_targets
 from trainer.capture import CaptureError, ShardedFeatures, capture_offline, collate, features_for_batch
 
 LAYERS = [1, 2, 3]

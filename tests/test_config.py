@@ -21,7 +21,7 @@ def test_every_recipe_loads_and_validates(name):
     assert cfg.drafter.family == ("mtp" if name.startswith("mtp") else "eagle3")
     assert cfg.data.num_holdout > 0 and cfg.train.lr > 0
     if cfg.train.deepspeed:  # the named DeepSpeed config exists
-        from trainer.loop import resolve_deepspeed_config
+        from trainer.engine import resolve_deepspeed_config
 
         assert resolve_deepspeed_config(cfg.train.deepspeed)["zero_optimization"]["stage"] in (1, 2, 3)
 
@@ -100,12 +100,15 @@ def test_bad_choice_values(arg, key, choices):
 def test_bad_ranges_and_argument_shape():
     with pytest.raises(ConfigError, match=r"data\.max_length"):
         load_config(["data.max_length=2"])
-    with pytest.raises(ConfigError, match=r"drafter\.ttt_steps"):
-        load_config(["drafter.ttt_steps=0"])
-    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.feature_loss_weight': -0\.5 \(must be >= 0\)"):
-        load_config(["drafter.feature_loss_weight=-0.5"])
-    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.hard_label_weight': 1\.5 \(must be in \[0, 1\]\)"):
-        load_config(["drafter.hard_label_weight=1.5"])
+    with pytest.raises(ConfigError, match=r"drafter\.eagle3\.num_draft_tokens"):
+        load_config(["drafter.eagle3.num_draft_tokens=0"])
+    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.eagle3\.feature_loss_weight': -0\.5 \(must be >= 0\)"):
+        load_config(["drafter.eagle3.feature_loss_weight=-0.5"])
+    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.eagle3\.hard_label_weight': 1\.5 \(must be in \[0, 1\]\)"):
+        load_config(["drafter.eagle3.hard_label_weight=1.5"])
+    # a family's key given without its section: named, with the section it belongs to
+    with pytest.raises(ConfigError, match=r"unknown config key 'drafter\.draft_vocab_size'.*'drafter\.eagle3\.draft_vocab_size'"):
+        load_config(["drafter.draft_vocab_size=64"])
     with pytest.raises(ConfigError, match=r"key=value.*'max_steps'"):
         load_config(["max_steps"])
 

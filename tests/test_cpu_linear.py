@@ -79,3 +79,34 @@ def test_with_packed_linears_copies_bf16_linears_only() -> None:
     assert torch.equal(fast(x[2:3]), fast(x)[2:3])  # row-invariant like the kernel
     fp32 = nn.Linear(8, 8)
     assert cpu_linear.with_packed_linears(fp32) is fp32  # nothing to replace: the module itself
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path):
+    """A process killed while loading the extension leaves torch's build lock, which made every later
+    process wait forever in silence: an old lock is removed with a warning, a young one waited for."""
+    import os
+    import threading
+    import time
+    import warnings
+
+    from drafthead.kernels.cpu_linear import clear_stale_lock
+
+    lock = tmp_path / "lock"
+    assert clear_stale_lock(lock) is False  # none there
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="removed a stale kernel build lock"):
+        assert clear_stale_lock(lock) is True
+    assert not lock.exists()
+    lock.touch()  # a live builder: it finishes (removes its lock) while we wait
+    threading.Timer(0.3, lock.unlink).start()
+    with pytest.warns(UserWarning, match="waiting up to"):
+        assert clear_stale_lock(lock, stale_s=30) is False
+    lock.touch()  # a young lock that never goes away: waited for, then removed once it is stale_s old
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert clear_stale_lock(lock, stale_s=1.0) is True
+    said = [str(w.message) for w in got]
+    assert any("waiting up to" in m for m in said) and any("removed a stale kernel build lock" in m for m in said)
+    assert not lock.exists()

@@ -3,7 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from drafthead.eagle3 import Eagle3Config, Eagle3Drafter, _shift
+from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
+from drafthead.layers import shift as _shift
 from drafthead.vocab import build_vocab_mapping, draft_ids, target_to_draft
 
 V, H = 96, 32
@@ -13,7 +14,7 @@ def tiny_drafter(ttt: int = 3, seed: int = 0, n_draft: int = 64) -> Eagle3Drafte
     torch.manual_seed(seed)
     tcfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=256)
-    c = Eagle3Config.from_target(tcfg, draft_vocab_size=n_draft, aux_layer_ids=[1, 2, 3], ttt_steps=ttt)
+    c = Eagle3Config.from_target(tcfg, draft_vocab_size=n_draft, aux_layer_ids=[1, 2, 3], num_draft_tokens=ttt)
     m = Eagle3Drafter(c)
     torch.nn.init.normal_(m.embed_tokens.weight, std=0.5)
     d2t, t2d = build_vocab_mapping(torch.arange(V).flip(0).clone(), n_draft)
@@ -148,9 +149,9 @@ def test_feature_loss_adds_the_regression_of_the_next_targets_hidden():
     last = torch.randn(2, 10, H)
     base = m(ids, aux, teacher, tgt, mask)["loss"]
     m.config.feature_loss_weight = 0.5
-    with pytest.raises(ValueError, match="needs feature_target"):
+    with pytest.raises(ValueError, match="needs last_hidden"):
         m(ids, aux, teacher, tgt, mask)
-    out = m(ids, aux, teacher, tgt, mask, feature_target=last)
+    out = m(ids, aux, teacher, tgt, mask, last_hidden=last)
     with torch.no_grad():  # step 0 = one causal decode pass over (x_{t+1}, f_t)
         pos = torch.arange(10).expand(2, 10)
         _, hidden, _ = m.decode(_shift(ids, 1), m.fuse(aux), pos)

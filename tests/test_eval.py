@@ -111,8 +111,8 @@ def test_bad_dataset_and_sizes_are_errors_naming_the_problem(tmp_path):
     from eval.bench import BenchConfig, validate as validate_bench
     with pytest.raises(ValueError, match="unknown dtype 'half'"):
         validate_bench(BenchConfig(target="t", dtype="half"))
-    with pytest.raises(ValueError, match="tree_num_draft_tokens must be > 0, got 0"):
-        validate_bench(BenchConfig(target="t", tree_num_draft_tokens=0))
+    with pytest.raises(ValueError, match="tree_nodes must be > 0, got 0"):
+        validate_bench(BenchConfig(target="t", tree_nodes=0))
     with pytest.raises(ValueError, match="mode=chain needs a trained draft"):
         validate(EvalConfig(draft=None, target="x", mode="chain"))
     with pytest.raises(ValueError, match="draft=none needs target="):
@@ -298,7 +298,7 @@ def test_run_eval_tiny_model_is_lossless_and_writes_the_report(tmp_path, mode):
     torch.set_num_threads(1)
     target, drafter = tiny_target_and_draft()
     cfg = EvalConfig(draft=None, target="tiny", dataset="mt_bench", max_prompts=2, max_new_tokens=12, mode=mode,
-                     num_draft_tokens=3, depth=3, topk=2, out=str(tmp_path / "out"), progress=False, device="cpu")
+                     num_draft_tokens=3, tree_nodes=3, topk=2, out=str(tmp_path / "out"), progress=False, device="cpu")
     r = run_eval(cfg, target=target, drafter=drafter if mode != "ngram" else None)
     assert r["lossless"] is True, r["mismatches"]
     assert r["num_prompts"] == 2 and r["num_generations"] == 4  # 2 MT-Bench questions x 2 turns
@@ -323,7 +323,7 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
     torch.set_num_threads(1)
     target, drafter = tiny_target_and_draft()
     cfg = BenchConfig(draft=None, target="tiny", dataset="humaneval", max_prompts=2, max_new_tokens=10,
-                      num_draft_tokens=3, depth=3, topk=2, verify_sizes=[1, 2, 8], verify_prefix=64,
+                      num_draft_tokens=3, tree_nodes=3, topk=2, verify_sizes=[1, 2, 8], verify_prefix=64,
                       verify_repeats=2, out=str(tmp_path / "bench.json"), progress=False, device="cpu")
     r = run_bench(cfg, target=target, drafter=drafter)
     on_disk = json.loads((tmp_path / "bench.json").read_text())

@@ -6,7 +6,7 @@ import torch
 
 from drafthead import hardware
 from drafthead.kernels import cpu_linear
-from trainer import loop as L
+from trainer import engine as L
 
 CASES = [  # (torch capability, cpuinfo flags, class, auto dtype)
     ("AVX2", {"avx2", "fma"}, "AVX2", torch.float32),

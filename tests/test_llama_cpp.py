@@ -101,7 +101,7 @@ def world(tmp_path_factory, bins):
     trained = new_drafter()
     opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=5e-3)
     for _ in range(TRAIN_STEPS):
-        out = trained(input_ids, aux, teacher, argmax, loss_mask, ttt_steps=TTT_STEPS)
+        out = trained(input_ids, aux, teacher, argmax, loss_mask, num_draft_tokens=TTT_STEPS)
         opt.zero_grad()
         out["loss"].backward()
         opt.step()

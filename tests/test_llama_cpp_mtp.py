@@ -143,7 +143,7 @@ def world(tmp_path_factory, bins):
     teacher = teacher.softmax(-1)  # the drafter trains on the teacher's distribution
     argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)  # [B, T]
 
-    cfg = MtpConfig.from_target(model.config, num_modules=N_DRAFT, recursive=True, attention="chain")
+    cfg = MtpConfig.from_target(model.config, num_draft_tokens=N_DRAFT, recursive=True, attention="chain")
     assert cfg.attn_output_gate and cfg.norm_unit_offset and cfg.native_layers == 1
     info = {"name_or_path": str(tdir), "gguf_file": None, "architecture": "Qwen3_5ForCausalLM",
             "model_type": model.config.model_type, "num_hidden_layers": 4, "hidden_size": 64,

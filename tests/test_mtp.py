@@ -16,15 +16,25 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
 
-from drafthead.mtp import FASTMTP_STEP_WEIGHTS, MtpConfig, MtpDrafter, _shift, init_from_native, init_from_target
+from drafthead.layers import shift as _shift
+from drafthead.mtp import (FASTMTP_STEP_WEIGHTS, MtpConfig, MtpDrafter, MtpOptions, init_from_native,
+                           init_from_target)
 from drafthead.mtp_native import read_native, to_native, to_ours
-from drafthead.registry import (NOT_SAVED, build_for_target, init_for_target, load_draft, read_draft_config,
-                                save_draft)
+from drafthead.registry import FAMILIES, NOT_SAVED, load_draft, read_draft_config, save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import Target, freeze, load_target
 
 V, H = 96, 32
 EOS = 2
+
+
+def build_for_target(name: str, tcfg, options) -> nn.Module:
+    fam = FAMILIES[name]
+    return fam.model(fam.build(tcfg, options, None, None))
+
+
+def init_for_target(drafter: nn.Module, target: Target, options) -> str:
+    return FAMILIES[drafter.family].init(drafter, target, options)
 
 
 def tiny_llama(vocab: int = V, seed: int = 0, dtype=torch.float32, **kw) -> LlamaForCausalLM:
@@ -38,7 +48,7 @@ def tiny_llama(vocab: int = V, seed: int = 0, dtype=torch.float32, **kw) -> Llam
 def tiny_mtp(model: nn.Module, K: int = 3, recursive: bool = True, attention: str = "causal", seed: int = 1,
              perturb: bool = True, **kw) -> MtpDrafter:
     torch.manual_seed(seed)
-    d = MtpDrafter(MtpConfig.from_target(model.config, num_modules=K, recursive=recursive, attention=attention,
+    d = MtpDrafter(MtpConfig.from_target(model.config, num_draft_tokens=K, recursive=recursive, attention=attention,
                                          **kw))
     init_from_target(d, model)
     if perturb:
@@ -74,7 +84,7 @@ def one_thread():
 # ---- config --------------------------------------------------------------------------------------
 def test_config_from_targets_and_step_weights():
     c = MtpConfig.from_target(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
-                                          num_attention_heads=4, num_key_value_heads=2), num_modules=3)
+                                          num_attention_heads=4, num_key_value_heads=2), num_draft_tokens=3)
     assert (c.head_dim, c.qk_norm, c.attention_bias, c.attn_output_gate, c.norm_unit_offset) == (8, False, False,
                                                                                                  False, False)
     assert c.draft_vocab_size == c.vocab_size == V and c.stored_modules == 1 and c.native_layers == 0
@@ -88,10 +98,10 @@ def test_config_from_targets_and_step_weights():
                                                 num_hidden_layers=4, mtp_num_hidden_layers=1))
     assert q.attn_output_gate and q.norm_unit_offset and q.qk_norm and q.partial_rotary_factor == 0.25
     assert q.native_layers == 1
-    f = MtpConfig.from_target(tiny_llama().config, num_modules=3, step_weights=FASTMTP_STEP_WEIGHTS, recursive=False)
+    f = MtpConfig.from_target(tiny_llama().config, num_draft_tokens=3, step_weights=FASTMTP_STEP_WEIGHTS, recursive=False)
     assert f.step_weights == [0.51, 0.31, 0.18] and f.stored_modules == 3
-    with pytest.raises(ValueError, match="step_weights has 2 entries for num_modules=3"):
-        MtpConfig.from_target(tiny_llama().config, num_modules=3, step_weights=[0.5, 0.5])
+    with pytest.raises(ValueError, match="step_weights has 2 entries for num_draft_tokens=3"):
+        MtpConfig.from_target(tiny_llama().config, num_draft_tokens=3, step_weights=[0.5, 0.5])
     with pytest.raises(ValueError, match="attention='tree'"):
         MtpConfig.from_target(tiny_llama().config, attention="tree")
     with pytest.raises(ValueError, match="SwiGLU"):
@@ -304,7 +314,7 @@ def _randomise(d: MtpDrafter, seed: int = 7) -> MtpDrafter:
 def test_nextn_layout_round_trip_deepseek_glm_names():
     tcfg = tiny_llama().config
     tcfg.num_nextn_predict_layers = 2  # DeepSeek / GLM style: extra layers model.layers.{N+i}.*
-    src = _randomise(MtpDrafter(MtpConfig.from_target(tcfg, num_modules=2, recursive=False)))
+    src = _randomise(MtpDrafter(MtpConfig.from_target(tcfg, num_draft_tokens=2, recursive=False)))
     assert src.config.native_layers == 2
     ours = {k: v for k, v in src.state_dict().items() if k not in NOT_SAVED}
     native = to_native(ours, tcfg)
@@ -314,21 +324,21 @@ def test_nextn_layout_round_trip_deepseek_glm_names():
     ckpt = {**native, "model.layers.2.embed_tokens.weight": torch.zeros(V, H),  # DeepSeek's per-layer copy
             "model.layers.1.mlp.up_proj.weight": torch.zeros(1), "lm_head.weight": torch.zeros(1)}
     assert to_ours(ckpt, tcfg).keys() == ours.keys()
-    dst = MtpDrafter(MtpConfig.from_target(tcfg, num_modules=2, recursive=False))
+    dst = MtpDrafter(MtpConfig.from_target(tcfg, num_draft_tokens=2, recursive=False))
     assert init_from_native(dst, ckpt, tcfg) == 2
     for k, v in ours.items():
         assert torch.equal(dst.state_dict()[k], v), k
     # more depths than native layers: modules cycle over them (vLLM's spec_step_idx % n)
-    three = MtpDrafter(MtpConfig.from_target(tcfg, num_modules=3, recursive=False))
+    three = MtpDrafter(MtpConfig.from_target(tcfg, num_draft_tokens=3, recursive=False))
     init_from_native(three, ckpt, tcfg)
     assert torch.equal(three.layers[2].eh_proj.weight, ours["layers.0.eh_proj.weight"])
     # MoE / MLA layers do not fit the dense block: named in the error
     moe = {**ckpt, "model.layers.2.mlp.experts.0.gate_proj.weight": torch.zeros(1)}
     with pytest.raises(ValueError, match=r"layer 0 has tensors the dense MTP block cannot hold.*experts"):
-        init_from_native(MtpDrafter(MtpConfig.from_target(tcfg, num_modules=1)), moe, tcfg)
+        init_from_native(MtpDrafter(MtpConfig.from_target(tcfg, num_draft_tokens=1)), moe, tcfg)
     gone = {k: v for k, v in ckpt.items() if "hnorm" not in k}
     with pytest.raises(ValueError, match=r"layer 0 lacks \['hnorm.weight'\]"):
-        init_from_native(MtpDrafter(MtpConfig.from_target(tcfg, num_modules=1)), gone, tcfg)
+        init_from_native(MtpDrafter(MtpConfig.from_target(tcfg, num_draft_tokens=1)), gone, tcfg)
     with pytest.raises(ValueError, match="no MTP layer tensors"):
         init_from_native(dst, {"lm_head.weight": torch.zeros(1)}, tcfg)
 
@@ -336,7 +346,7 @@ def test_nextn_layout_round_trip_deepseek_glm_names():
 def test_qwen35_layout_round_trip():
     model = _qwen35(mtp=2)
     c = model.config
-    src = _randomise(MtpDrafter(MtpConfig.from_target(c, num_modules=2, recursive=False)))
+    src = _randomise(MtpDrafter(MtpConfig.from_target(c, num_draft_tokens=2, recursive=False)))
     with torch.no_grad():  # the Qwen layout shares fc / pre-norms / norm between its MTP layers
         for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
             src.layers[1].get_parameter(name).copy_(src.layers[0].get_parameter(name))
@@ -361,7 +371,7 @@ def _target_dir_with_native_mtp(folder: Path, n: int = 1) -> tuple[Path, dict[st
     model.config.num_nextn_predict_layers = n
     model.save_pretrained(folder)
     tcfg = model.config
-    mtp = _randomise(MtpDrafter(MtpConfig.from_target(tcfg, num_modules=n, recursive=False)), seed=11)
+    mtp = _randomise(MtpDrafter(MtpConfig.from_target(tcfg, num_draft_tokens=n, recursive=False)), seed=11)
     native = to_native({k: v for k, v in mtp.state_dict().items() if k not in NOT_SAVED}, tcfg)
     sd = load_file(str(folder / "model.safetensors"))
     save_file({**sd, **{k: v.contiguous() for k, v in native.items()}}, str(folder / "model.safetensors"),
@@ -374,8 +384,7 @@ def test_read_native_and_init_for_target(tmp_path):
     target = freeze(Target(LlamaForCausalLM.from_pretrained(folder), None, str(folder)))
     got = read_native(str(folder), target.config)
     assert got.keys() == native.keys() and all(torch.equal(got[k], native[k]) for k in got)
-    opts = SimpleNamespace(intermediate_size=None, num_modules=2, recursive=True, step_weights=None,
-                           train_head=False, attention="causal", init="auto")
+    opts = MtpOptions(num_draft_tokens=2, recursive=True, init="auto")
     d = build_for_target("mtp", target.config, opts)
     assert init_for_target(d, target, opts).startswith("native (1 MTP layer")
     assert torch.equal(d.layers[0].eh_proj.weight, native["model.layers.2.eh_proj.weight"])
@@ -385,10 +394,10 @@ def test_read_native_and_init_for_target(tmp_path):
     d = build_for_target("mtp", plain.config, opts)
     assert init_for_target(d, plain, opts) == "target (last decoder layer)"
     assert torch.equal(d.layers[0].mlp.up_proj.weight, plain.model.model.layers[-1].mlp.up_proj.weight)
-    with pytest.raises(ValueError, match="drafter.init=native: target 'plain' has no native MTP weights"):
-        init_for_target(d, plain, SimpleNamespace(**{**vars(opts), "init": "native"}))
-    with pytest.raises(ValueError, match="drafter.init='bogus' for family 'mtp'"):
-        init_for_target(d, plain, SimpleNamespace(**{**vars(opts), "init": "bogus"}))
+    with pytest.raises(ValueError, match="drafter.mtp.init=native: target 'plain' has no native MTP weights"):
+        init_for_target(d, plain, MtpOptions(num_draft_tokens=2, init="native"))
+    with pytest.raises(ValueError, match="init: 'bogus'"):
+        MtpOptions(init="bogus").validate()
 
 
 # ---- save / load ------------------------------------------------------------------------------------
@@ -397,7 +406,7 @@ def test_save_load_round_trip(tmp_path):
     d = tiny_mtp(model, K=2, recursive=False, attention="chain", step_weights=[0.7, 0.3])
     save_draft(d, tmp_path / "draft", {"name_or_path": "tiny"})
     meta = read_draft_config(tmp_path / "draft")
-    assert meta["family"] == "mtp" and meta["draft"]["num_modules"] == 2 and meta["draft"]["recursive"] is False
+    assert meta["family"] == "mtp" and meta["draft"]["num_draft_tokens"] == 2 and meta["draft"]["recursive"] is False
     assert meta["draft"]["step_weights"] == [0.7, 0.3] and meta["draft"]["attention"] == "chain"
     saved = load_file(str(tmp_path / "draft" / "model.safetensors"))
     assert "embed_tokens.weight" not in saved and "layers.1.shared_head.head.weight" in saved
@@ -419,8 +428,8 @@ _spec.loader.exec_module(train)
 def train_args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]:
     kv = {"target.name_or_path": target_dir, "target.dtype": "float32", "data.dataset": data,
           "data.max_samples": "null", "data.num_holdout": 4, "data.max_length": 96, "data.overlong": "truncate",
-          "data.regenerate.enabled": "false", "drafter.family": "mtp", "drafter.num_modules": 2,
-          "drafter.recursive": "false", "capture.mode": "online", "capture.layer_ids": "null",
+          "data.regenerate.enabled": "false", "drafter.family": "mtp", "drafter.mtp.num_draft_tokens": 2,
+          "drafter.mtp.recursive": "false", "capture.mode": "online", "capture.layer_ids": "null",
           "capture.dtype": "bfloat16", "train.epochs": 1, "train.batch_size": 2, "train.batch_tokens": "null",
           "train.grad_accum": 1, "train.max_steps": 4, "train.save_every": 0, "train.eval_every": 0,
           "train.lr": 1e-3, "train.dtype": "float32", "train.deepspeed": "null", "logging.wandb": "false",
@@ -433,10 +442,10 @@ def train_args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]
 def test_train_end_to_end(mode: str, tiny_llama_dir, tiny_sharegpt, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
     run = tmp_path / "run"
-    over = {} if mode == "online" else {"capture.mode": "offline", "drafter.recursive": "true",
-                                        "drafter.attention": "chain", "drafter.step_weights": "[0.6,0.4]"}
+    over = {} if mode == "online" else {"capture.mode": "offline", "drafter.mtp.recursive": "true",
+                                        "drafter.mtp.attention": "chain", "drafter.mtp.step_weights": "[0.6,0.4]"}
     if mode == "offline":  # `drafthead capture` first: it must capture what train.py reads (no aux layers)
-        from trainer.capture import main as capture_main
+        from trainer.commands import capture as capture_main
 
         assert capture_main(train_args(run, tiny_llama_dir, tiny_sharegpt, **over)) == 0
         stamps = {p.name: p.stat().st_mtime_ns for p in (run / "capture").glob("shard_*.safetensors")}
@@ -449,7 +458,7 @@ def test_train_end_to_end(mode: str, tiny_llama_dir, tiny_sharegpt, tmp_path, mo
     assert all(r["loss"] > 0 and 0 <= r["acc_0"] <= 1 and 0 <= r["acc_1"] <= 1 for r in train_rows)
     assert "acc_2" not in train_rows[0] and {"eval/acc_0", "eval/acc_1", "eval/sim_accept_len"} <= set(rows[-1])
     meta = read_draft_config(final)
-    assert meta["family"] == "mtp" and meta["draft"]["num_modules"] == 2
+    assert meta["family"] == "mtp" and meta["draft"]["num_draft_tokens"] == 2
     assert meta["draft"]["recursive"] is (mode == "offline")
     target = load_target(str(tiny_llama_dir), dtype="float32")
     draft = load_draft(final, embed_weight=target.model.get_input_embeddings().weight)
@@ -473,14 +482,14 @@ def test_train_end_to_end(mode: str, tiny_llama_dir, tiny_sharegpt, tmp_path, mo
 def test_config_rejects_bad_mtp_settings():
     from trainer.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"'drafter.step_weights': 2 weights for drafter.num_modules=3"):
-        load_config(["drafter.family=mtp", "drafter.num_modules=3", "drafter.step_weights=[0.5,0.5]"])
+    with pytest.raises(ConfigError, match=r"'drafter.mtp.step_weights': 2 weights for num_draft_tokens=3"):
+        load_config(["drafter.family=mtp", "drafter.mtp.num_draft_tokens=3", "drafter.mtp.step_weights=[0.5,0.5]"])
     with pytest.raises(ConfigError, match=r"'drafter.family': 'medusa'"):
         load_config(["drafter.family=medusa"])
-    with pytest.raises(ConfigError, match=r"'drafter.init': 'native' for family eagle3"):
-        load_config(["drafter.init=native"])
+    with pytest.raises(ConfigError, match=r"'drafter.eagle3.init': 'native' \(choose from auto, random\)"):
+        load_config(["drafter.eagle3.init=native"])
     cfg = load_config(["recipe=mtp_smollm2"])
-    assert cfg.drafter.family == "mtp" and cfg.drafter.num_modules >= 2
+    assert cfg.drafter.family == "mtp" and cfg.drafter.mtp.num_draft_tokens >= 2
 
 
 # ---- runtime ------------------------------------------------------------------------------------------
@@ -511,8 +520,8 @@ RUNTIME = [SpecConfig(mode="chain", num_draft_tokens=k) for k in (1, 3, 5)] + [
     SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True, batch_size=3),
     SpecConfig(mode="chain", num_draft_tokens=3, ngram=True, batch_size=2),
 ]
-TREES = [SpecConfig(mode="tree", num_draft_tokens=6, depth=3, topk=2),
-         SpecConfig(mode="tree", num_draft_tokens=8, depth=4, topk=2, adaptive=True, batch_size=3)]
+TREES = [SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6, topk=2),
+         SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=8, topk=2, adaptive=True, batch_size=3)]
 
 
 @pytest.mark.parametrize("recursive", [True, False])
@@ -526,7 +535,7 @@ def test_greedy_is_lossless_with_random_mtp_drafter(recursive: bool):
         got = gen.generate(ps, 16, spec)
         assert [r.tokens for r in got] == want, spec
     if not recursive:
-        with pytest.raises(ValueError, match="spec mode 'tree' needs one draft module"):
+        with pytest.raises(ValueError, match="spec mode 'tree': this mtp draft drafts chain only"):
             gen.generate(ps, 4, TREES[0])
 
 
@@ -543,8 +552,18 @@ class OracleMtp(nn.Module):
     """Predicts exactly what the target predicts. Speaks the MTP inference API: its "KV" entries hold the
     token x_{t+1} of each entry; prompts start with token 1, so the visible sequence is (1, x_1, ...)."""
 
-    family = "mtp"
-    inputs = ("last",)
+    family, features, draft_modes = "mtp", "last", ("chain", "tree")  # the `Drafter` protocol
+
+    def capture_layer_ids(self) -> list[int]:
+        return []
+
+    def check_target(self, tcfg) -> list[str]:
+        return []
+
+    def draft_state(self, batch: int, capacity: int, device: torch.device):
+        from drafthead.runtime.draft import DraftRunner
+
+        return DraftRunner(self, batch, capacity, device)
 
     def __init__(self, target: Target) -> None:
         super().__init__()
@@ -595,7 +614,7 @@ def test_runtime_rejects_mismatched_mtp_draft():
 def _mtp_draft_for(model: nn.Module, target_dir: Path, draft_dir: Path, K: int = 2, recursive: bool = False,
                    seed: int = 13, **kw) -> tuple[Path, dict[str, torch.Tensor]]:
     """A random MTP draft for the target saved at `target_dir` (recorded as its target); returns (dir, weights)."""
-    d = _randomise(MtpDrafter(MtpConfig.from_target(model.config, num_modules=K, recursive=recursive, **kw)), seed)
+    d = _randomise(MtpDrafter(MtpConfig.from_target(model.config, num_draft_tokens=K, recursive=recursive, **kw)), seed)
     info = {"name_or_path": str(target_dir), "gguf_file": None, "num_hidden_layers": model.config.num_hidden_layers,
             "hidden_size": model.config.hidden_size, "vocab_size": model.config.vocab_size}
     save_draft(d, draft_dir, info)
@@ -634,7 +653,7 @@ def test_export_hf_nextn_layout_round_trip(tmp_path):
     # round trip: the native loader (drafter.init=native) reads back exactly the draft's tensors
     config, got = read_native_export(out)
     assert got.keys() == ours.keys() and all(torch.equal(got[k], ours[k]) for k in ours)
-    dst = MtpDrafter(MtpConfig.from_target(config, num_modules=2, recursive=False))
+    dst = MtpDrafter(MtpConfig.from_target(config, num_draft_tokens=2, recursive=False))
     assert dst.config.native_layers == 2 and init_from_native(dst, read_native(str(out), config), config) == 2
     assert all(torch.equal(dst.state_dict()[k], ours[k]) for k in ours)
     # and out/draft is the draft in drafthead's own format
@@ -661,7 +680,7 @@ def test_export_hf_qwen35_layout_round_trip(tmp_path):
     tdir = tmp_path / "target"
     model.save_pretrained(tdir)
     torch.manual_seed(0)
-    d = MtpDrafter(MtpConfig.from_target(model.config, num_modules=3))  # recursive: one stored module
+    d = MtpDrafter(MtpConfig.from_target(model.config, num_draft_tokens=3))  # recursive: one stored module
     init_from_target(d, model)  # the shared head is the target's lm_head, as the Qwen layout requires
     _perturb_norms(d)
     info = {"name_or_path": str(tdir), "num_hidden_layers": 4, "hidden_size": H, "vocab_size": V}
@@ -714,14 +733,14 @@ def test_export_rejects_bad_drafts_targets_and_formats(tmp_path):
             export(ddir, "gguf", tmp_path / "x.gguf", target=str(folder))
     with pytest.raises(ExportError, match=r"cannot run MTP layers for a llama target \(smollm2-135m-instruct\)"):
         export(ddir, "gguf", tmp_path / "x.gguf", target="smollm2-135m-instruct")  # read from the GGUF's metadata
-    with pytest.raises(ExportError, match=r"MTP drafts export to=hf\|gguf .* not to='sglang'"):
+    with pytest.raises(ExportError, match=r"unknown export format to='sglang'; choose one of \['gguf', 'hf'\] \(the formats of mtp drafts"):
         export(ddir, "sglang", tmp_path / "x")
-    with pytest.raises(ExportError, match=r"MTP to=hf takes no option\(s\) \['verifier'\]"):
+    with pytest.raises(ExportError, match=r"to=hf takes no option\(s\) \['verifier'\]"):
         export(ddir, "hf", tmp_path / "x", verifier="y")
     # an EAGLE3 draft is not an MTP draft
     e3 = Eagle3Drafter(Eagle3Config.from_target(model.config, draft_vocab_size=V))
     save_draft(e3, tmp_path / "eagle", {"name_or_path": str(tdir)})
-    with pytest.raises(ExportError, match=r"to=hf exports MTP drafts .* is an EAGLE3 draft"):
+    with pytest.raises(ExportError, match=r"unknown export format to='hf'; .* \(the formats of eagle3 drafts; .*hf export other families\)"):
         export(tmp_path / "eagle", "hf", tmp_path / "x")
     # missing / misshapen tensors, a draft sized for another target, a target that is not there
     sd = load_file(str(ddir / "model.safetensors"))
@@ -729,7 +748,7 @@ def test_export_rejects_bad_drafts_targets_and_formats(tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text((ddir / "config.json").read_text())
     save_file({k: v for k, v in sd.items() if k != "layers.0.hnorm.weight"}, str(broken / "model.safetensors"))
-    with pytest.raises(ExportError, match=r"MTP draft tensors do not match its config: missing \['layers.0.hnorm"):
+    with pytest.raises(ExportError, match=r"draft tensors do not match its config \(mtp\): missing \['layers.0.hnorm"):
         export(broken, "hf", tmp_path / "x")
     save_file({**sd, "layers.0.hnorm.weight": torch.ones(H + 1)}, str(broken / "model.safetensors"))
     with pytest.raises(ExportError, match=r"layers.0.hnorm.weight has shape \(33,\), the config implies \(32,\)"):

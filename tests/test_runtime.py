@@ -66,6 +66,19 @@ class OracleDrafter(nn.Module):
     it rebuilds the visible token sequence from the attention mask and runs the target on it.
     """
 
+    family, features, draft_modes = "oracle", "aux", ("chain", "tree")  # the `Drafter` protocol
+
+    def capture_layer_ids(self) -> list[int]:
+        return [0]
+
+    def check_target(self, tcfg) -> list[str]:
+        return []
+
+    def draft_state(self, batch: int, capacity: int, device: torch.device):
+        from drafthead.runtime.draft import DraftRunner
+
+        return DraftRunner(self, batch, capacity, device)
+
     def __init__(self, target: Target, one_hot: bool = False) -> None:
         super().__init__()
         c = target.config
@@ -210,13 +223,13 @@ def test_target_forward_rejects_unsupported() -> None:
 # ---- greedy losslessness ------------------------------------------------------------------------
 SETTINGS = [
     *[SpecConfig(mode="chain", num_draft_tokens=k) for k in range(1, 6)],
-    SpecConfig(mode="tree", num_draft_tokens=6, depth=3, topk=2),
-    SpecConfig(mode="tree", num_draft_tokens=10, depth=4, topk=3, batch_size=3),
+    SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6, topk=2),
+    SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=10, topk=3, batch_size=3),
     SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True, batch_size=2),
-    SpecConfig(mode="tree", num_draft_tokens=8, depth=4, topk=2, adaptive=True, batch_size=2),
+    SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=8, topk=2, adaptive=True, batch_size=2),
     SpecConfig(mode="ngram", num_draft_tokens=4, batch_size=3),
     SpecConfig(mode="chain", num_draft_tokens=3, ngram=True, batch_size=3),
-    SpecConfig(mode="tree", num_draft_tokens=6, depth=3, topk=2, ngram=True, adaptive=True),
+    SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6, topk=2, ngram=True, adaptive=True),
     SpecConfig(mode="ar", batch_size=3),
 ]
 
@@ -309,7 +322,7 @@ def test_bf16_decode_kernel_is_close_to_hf_and_lossless(arch: str) -> None:
         gen.model.decode_kernel = on
         want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
         for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
-                     SpecConfig(mode="tree", num_draft_tokens=6, depth=3)):
+                     SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6)):
             assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, (on, spec)
 
 
@@ -374,7 +387,7 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
     assert sum(sum(r.accept_lens) for r in got) > 0  # the oracle's drafts were verified, not skipped
     # an fp32 draft on the bf16 target: bf16 features in, fp32 drafting; the target still decides
     gen32 = SpeculativeGenerator(target, random_drafter(target).float())
-    for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="tree", num_draft_tokens=6, depth=3),
+    for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6),
                  SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, batch_size=2)):
         assert [r.tokens for r in gen32.generate(prompts, 24, spec)] == want, spec
 
@@ -392,7 +405,7 @@ def test_oracle_chain_accepts_everything(k: int, llama: Target) -> None:
 
 def test_oracle_tree_accepts_full_depth(llama: Target) -> None:
     gen = SpeculativeGenerator(llama, OracleDrafter(llama, one_hot=True))
-    spec = SpecConfig(mode="tree", num_draft_tokens=8, depth=4, topk=2)
+    spec = SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=8, topk=2)
     prompts = [p for p in random_prompts(6, 128, seed=7) if EOS not in reference_greedy(llama, p, 16)]
     for r in gen.generate(prompts[:2], 16, spec):
         assert r.accept_lens[:3] == [4, 4, 4]
@@ -433,7 +446,7 @@ def test_stream_gets_every_token_in_order(llama: Target) -> None:
 def test_kv_after_rounds_equals_fresh_prefill(mode: str, kind: str, qwen3: Target) -> None:
     drafter = random_drafter(qwen3) if kind == "random" else OracleDrafter(qwen3, one_hot=True)
     gen = SpeculativeGenerator(qwen3, drafter)
-    spec = SpecConfig(mode=mode, num_draft_tokens=6, depth=3, topk=2, batch_size=2)
+    spec = SpecConfig(mode=mode, num_draft_tokens=6 if mode == "chain" else 3, tree_nodes=6, topk=2, batch_size=2)
     prompts = [p for p in random_prompts(8, 128, seed=21) if EOS not in reference_greedy(qwen3, p, 40)][:2]
     reqs = [_Request(i, p, 40) for i, p in enumerate(prompts)]
     s = _Session(gen, reqs, spec, torch.Generator().manual_seed(0), None)
@@ -461,7 +474,7 @@ def test_kv_after_rounds_equals_fresh_prefill(mode: str, kind: str, qwen3: Targe
 
 # ---- batching -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec", [SpecConfig(mode="chain", num_draft_tokens=3, adaptive=True),
-                                  SpecConfig(mode="tree", num_draft_tokens=8, depth=3, topk=3, ngram=True),
+                                  SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=8, topk=3, ngram=True),
                                   SpecConfig(mode="ngram", num_draft_tokens=5)])
 def test_batch_equals_per_request(spec: SpecConfig, llama: Target) -> None:
     drafter = OracleDrafter(llama, one_hot=True) if spec.mode == "tree" else random_drafter(llama)
@@ -522,7 +535,7 @@ SAMPLING = [
     SpecConfig(mode="ar", temperature=1.0),
     SpecConfig(mode="chain", num_draft_tokens=2, temperature=1.0),
     SpecConfig(mode="chain", num_draft_tokens=3, temperature=0.7, top_p=0.8, adaptive=True),
-    SpecConfig(mode="tree", num_draft_tokens=4, depth=2, topk=2, temperature=1.0),
+    SpecConfig(mode="tree", num_draft_tokens=2, tree_nodes=4, topk=2, temperature=1.0),
     SpecConfig(mode="ngram", num_draft_tokens=2, temperature=1.0),
 ]
 
@@ -561,7 +574,7 @@ def test_adaptive_k_grows_with_oracle_and_shrinks_with_random(llama: Target) -> 
     assert up.num_drafted[0] == 3 and up.num_drafted[-1] == 5 and up.num_drafted == sorted(up.num_drafted)
     (down,) = SpeculativeGenerator(llama, random_drafter(llama)).generate(prompts, 80, spec)
     assert down.num_drafted[0] == 3 and down.num_drafted[-1] == 1
-    tree = SpecConfig(mode="tree", num_draft_tokens=12, depth=5, topk=2, adaptive=True)
+    tree = SpecConfig(mode="tree", num_draft_tokens=5, tree_nodes=12, topk=2, adaptive=True)
     (up,) = SpeculativeGenerator(llama, OracleDrafter(llama, one_hot=True)).generate(prompts, 80, tree)
     assert up.num_drafted[0] == 3 and up.num_drafted[-1] == 5
     (down,) = SpeculativeGenerator(llama, random_drafter(llama)).generate(prompts, 80, tree)
@@ -661,7 +674,7 @@ def test_smollm2_speculative_matches_ar() -> None:
     d2t, t2d = build_vocab_mapping(torch.arange(cfg.vocab_size).flip(0), 32000)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
-    spec = SpecConfig(mode="tree", num_draft_tokens=8, depth=3, topk=2, ngram=True)
+    spec = SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=8, topk=2, ngram=True)
     (tree,) = SpeculativeGenerator(target, drafter).generate([prompt], 24, spec)
     assert tree.tokens == ar.tokens
 

@@ -38,8 +38,8 @@ def args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]:
     the tests rely on is pinned here, whatever the default recipe says."""
     kv = {"target.name_or_path": target_dir, "target.dtype": "float32", "data.dataset": data,
           "data.max_samples": "null", "data.num_holdout": 4, "data.max_length": 96, "data.overlong": "truncate",
-          "data.regenerate.enabled": "false", "drafter.draft_vocab_size": 128, "drafter.ttt_steps": 3,
-          "drafter.step_decay": 0.8, "capture.mode": "online", "capture.layer_ids": "[1,2,3]",
+          "data.regenerate.enabled": "false", "drafter.eagle3.draft_vocab_size": 128, "drafter.eagle3.num_draft_tokens": 3,
+          "drafter.eagle3.step_decay": 0.8, "capture.mode": "online", "capture.layer_ids": "[1,2,3]",
           "capture.dtype": "bfloat16", "train.epochs": 1, "train.batch_size": 2, "train.batch_tokens": "null",
           "train.grad_accum": 1, "train.max_steps": 6, "train.save_every": 3, "train.keep_checkpoints": 2,
           "train.eval_every": 0, "train.eval_samples": "null", "train.lr": 1e-3, "train.warmup_ratio": 0.02,
@@ -169,7 +169,7 @@ def test_offline_training_equals_online(tiny_llama_dir, tiny_sharegpt, tmp_path)
 
 
 def test_drafthead_capture_then_train_reuses_the_shards(tiny_llama_dir, tiny_sharegpt, tmp_path, capsys):
-    from trainer.capture import main as capture_main
+    from trainer.commands import capture as capture_main
 
     run, cap = tmp_path / "run", tmp_path / "cap"
     kw = {"capture.mode": "offline", "capture.dir": cap, "train.max_steps": 2, "train.save_every": 0}
@@ -220,7 +220,7 @@ def test_holdout_larger_than_data_is_a_clear_error(tiny_llama_dir, tiny_sharegpt
 
 
 def test_max_samples_counts_training_conversations(tiny_llama_dir, tiny_sharegpt, tmp_path):
-    from trainer.loop import Dist
+    from trainer.engine import Dist
     from trainer.prepare import prepare_samples
 
     cfg = load_config(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"data.max_samples": 10}))
@@ -241,13 +241,13 @@ def test_retain_freed_memory_keeps_big_frees_in_the_heap():
     DRAFTHEAD_MALLOC_RETAIN=0 turns it off."""
     code = (
         "import resource, torch\n"
-        "from trainer.loop import retain_freed_memory\n"
+        "from trainer.engine import retain_freed_memory\n"
         "on = retain_freed_memory()\n"
         "torch.empty(16 << 20).fill_(1)\n"  # first use of 64 MB: faults either way
         "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "for _ in range(10): torch.empty(16 << 20).fill_(1)\n"
         "print(on, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)\n"
-        "from trainer.loop import trim_freed_memory\n"
+        "from trainer.engine import trim_freed_memory\n"
         "def anon(): return int([l for l in open('/proc/self/status') if l.startswith('RssAnon')][0].split()[1])\n"
         "x = [torch.empty(4 << 20).fill_(1) for _ in range(32)]; before = anon(); del x[::2]\n"  # holes
         "print(trim_freed_memory(), before - anon())\n")
@@ -368,8 +368,8 @@ def test_real_smollm2_recipe_smoke(tmp_path):
     recipe = load_config(["recipe=eagle3_smollm2"])
     meta = read_draft_config(run / "final")
     assert meta["draft"]["aux_layer_ids"] == [2, 15, 27]  # the default [2, N//2, N-3] for 30 layers
-    assert meta["draft"]["draft_vocab_size"] == recipe.drafter.draft_vocab_size
-    assert meta["draft"]["ttt_steps"] == recipe.drafter.ttt_steps
+    assert meta["draft"]["draft_vocab_size"] == recipe.drafter.eagle3.draft_vocab_size
+    assert meta["draft"]["num_draft_tokens"] == recipe.drafter.eagle3.num_draft_tokens
     assert meta["train"]["steps"] == 4 and meta["train"]["recipe"] == "eagle3_smollm2"
     rows = [r for r in metrics(run) if "loss" in r]
     assert rows[-1]["step"] == 4 and all(r["loss"] > 0 for r in rows)

@@ -274,7 +274,7 @@ def refit_after_capture(plan: Plan | None, cfg: Any, d: Any, run_dir: Path, elap
     """Re-fit the passes the plan chose (once; a resumed run keeps the result): the probe's estimates of the
     data size and the capture rate are off by some percent, and the passes are where that is absorbed."""
     from drafthead.io import atomic_write_json
-    from trainer import loop as L
+    from trainer import engine as L
 
     if plan is None or plan.refit is not None or "train.epochs" not in plan.chosen:
         return plan
@@ -317,7 +317,7 @@ def probe(cfg: Any, target: Any, device: torch.device) -> Rates:
 
     from drafthead.hardware import cpu_class, resolve_dtype_name
     from trainer import data as D
-    from trainer import loop as L
+    from trainer import engine as L
     from trainer.prepare import build_draft, feature_dtype
 
     dc, n = cfg.data, cfg.budget.probe_samples
@@ -351,7 +351,7 @@ def plan_run(cfg: Any, target: Any, d: Any, run_dir: Path, t_start: float, log: 
     """With `budget.minutes` set: measure, plan, fill the null keys of `cfg` in place, say the plan. A
     resumed run (plan.json in run_dir, same budget and given keys) keeps its first plan."""
     from drafthead.io import atomic_write_json
-    from trainer import loop as L
+    from trainer import engine as L
 
     if not cfg.budget.minutes:
         return None

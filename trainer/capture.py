@@ -57,7 +57,7 @@ def features_for_batch(target: Target, batch: dict[str, torch.Tensor], layer_ids
     aux, last = capture(target.model, batch["input_ids"].to(dev), batch["attention_mask"].to(dev), layer_ids,
                         dtype=dtype)
     out = dict(batch)
-    out["aux"] = aux if aux is not None else last.new_zeros(*last.shape[:-1], 0)  # no aux layers (MTP): [B, T, 0]
+    out["aux"] = aux if aux is not None else last.new_zeros(*last.shape[:-1], 0)  # no aux layers: [B, T, 0]
     out["last"] = last
     if argmax:
         need = torch.zeros_like(batch["loss_mask"], dtype=torch.bool, device=dev)  # [B, T]
@@ -248,29 +248,3 @@ def collate_features(items: list[dict[str, torch.Tensor]], pad_id: int = 0) -> d
     if top is not None:
         batch["argmax"] = top
     return batch
-
-
-def main(argv: list[str]) -> int:
-    """`drafthead capture [recipe=NAME] key=value ...`: offline capture for a recipe (resumable)."""
-    from drafthead.eagle3 import Eagle3Config
-    from drafthead.registry import REDUCED_VOCAB
-    from drafthead.target import check_layer_ids, load_target
-    from trainer.config import parse_or_exit
-    from trainer.loop import Dist
-    from trainer.prepare import feature_dtype, prepare_samples
-
-    cfg = parse_or_exit(argv)
-    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
-    run_dir = Path(cfg.output_dir)
-    prep = prepare_samples(cfg, target, Dist(), run_dir)
-    layer_ids = cfg.capture.layer_ids or Eagle3Config.default_aux_layer_ids(target.num_layers)
-    if cfg.drafter.family not in REDUCED_VOCAB:  # MTP reads only the last hidden state
-        layer_ids = []
-    check_layer_ids(layer_ids, target.num_layers)
-    out = Path(cfg.capture.dir or run_dir / "capture")
-    m = capture_offline(target, prep.train, out, layer_ids, feature_dtype(cfg.capture.dtype),
-                        cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress,
-                        argmax=cfg.drafter.family in REDUCED_VOCAB)
-    print(f"captured {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards -> {out}\n"
-          f"next: python train.py recipe={cfg.recipe} capture.mode=offline capture.dir={out}")
-    return 0

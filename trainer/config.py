@@ -1,6 +1,6 @@
 """Recipes: YAML over typed dataclasses, with `key.sub=value` overrides (lingua style).
 
-`load_config(["recipe=eagle3_smollm2", "train.max_steps=4"])` merges, in order: dataclass defaults,
+`load_config(["recipe=NAME", "train.max_steps=4"])` merges, in order: dataclass defaults,
 `recipes/<name>.yaml`, dotted overrides. Unknown or mistyped keys exit with the key named and the
 closest valid one.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from drafthead.hardware import DTYPES
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-DEFAULT_RECIPE = "eagle3_smollm2"
+DEFAULT_RECIPE = (RECIPES_DIR / "default.yaml").resolve().stem  # default.yaml links to the embedded default
 
 
 @dataclass
@@ -65,22 +65,15 @@ class CaptureConfig:
     batch_tokens: int = 4096  # tokens per target forward while capturing
 
 
-@dataclass
-class DrafterConfig:
-    family: str = "eagle3"  # eagle3 | mtp
-    draft_vocab_size: int = 32000  # eagle3 (MTP predicts over the full target vocab)
-    ttt_steps: int = 7  # eagle3
-    step_decay: float = 0.8  # eagle3
-    hard_label_weight: float = 0.0  # eagle3: mix lambda of a one-hot on the target argmax into the soft target
-    feature_loss_weight: float = 0.0  # eagle3: > 0 adds EAGLE-1's regression of the draft hidden onto the target's
-    intermediate_size: int | None = None  # null = the target's
-    num_modules: int = 1  # mtp: depths K trained (predicting x_{t+2} .. x_{t+1+K})
-    recursive: bool = True  # mtp: one module applied K times (FastMTP, vLLM) vs K modules (DeepSeek-V3)
-    step_weights: list[float] | None = None  # mtp: loss weight per depth; null = 0.8^k normalised
-    train_head: bool = False  # mtp: also train the shared norm + lm_head copy (else frozen = the target's)
-    attention: str = "causal"  # mtp: causal within each depth (DeepSeek) | chain (what the runtime chain sees)
-    init: str = "auto"  # mtp: auto (native MTP weights if present, else target) | native | target | random
-    init_head_from_target: bool = False  # start lm_head/norm from the target's (rows of the draft vocab)
+def _drafter_config() -> type:
+    """`drafter.family` + one section per registered family (`drafter.<family>.*`, its options dataclass)."""
+    from drafthead.registry import FAMILIES
+
+    sections = [(name, fam.options, field(default_factory=fam.options)) for name, fam in FAMILIES.items()]
+    return make_dataclass("DrafterConfig", [("family", str, field(default=next(iter(FAMILIES)))), *sections])
+
+
+DrafterConfig = _drafter_config()
 
 
 @dataclass
@@ -128,7 +121,7 @@ class LoggingConfig:
 @dataclass
 class RunConfig:
     recipe: str = DEFAULT_RECIPE
-    output_dir: str = "runs/eagle3_smollm2"
+    output_dir: str | None = None  # null = runs/<recipe>
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -156,9 +149,11 @@ def _all_keys(cls: type, prefix: str = "") -> list[str]:
 
 def _closest(key: str) -> str:
     keys = _all_keys(RunConfig)
-    hit = difflib.get_close_matches(key, keys, n=1, cutoff=0.4)
+    leaf = key.rsplit(".", 1)[-1]
+    # the same leaf one level down first: 'drafter.init' -> 'drafter.<family>.init'
+    hit = [k for k in keys if k.startswith(key.rsplit(".", 1)[0] + ".") and k.rsplit(".", 1)[-1] == leaf][:1]
+    hit = hit or difflib.get_close_matches(key, keys, n=1, cutoff=0.4)
     if not hit:  # try the leaf name alone (e.g. 'max_step' -> 'train.max_steps')
-        leaf = key.rsplit(".", 1)[-1]
         leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
         m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
         hit = [leaves[m[0]]] if m else []
@@ -204,6 +199,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     if not (recipe.endswith((".yaml", ".yml")) and "recipe" in file_cfg):  # a run's config.yaml keeps its name
         merged.recipe = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
     cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    cfg.output_dir = cfg.output_dir or f"runs/{cfg.recipe}"
     validate(cfg)
     return cfg
 
@@ -233,29 +229,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'data.max_samples': {cfg.data.max_samples} (must be >= 1 or null)")
     if cfg.data.max_length < 8:
         raise ConfigError(f"bad value for 'data.max_length': {cfg.data.max_length} (must be >= 8)")
-    if cfg.drafter.ttt_steps < 1:
-        raise ConfigError("bad value for 'drafter.ttt_steps': must be >= 1")
-    if not 0 <= cfg.drafter.hard_label_weight <= 1:
-        raise ConfigError(f"bad value for 'drafter.hard_label_weight': {cfg.drafter.hard_label_weight} "
-                          "(must be in [0, 1])")
-    if cfg.drafter.feature_loss_weight < 0:
-        raise ConfigError(f"bad value for 'drafter.feature_loss_weight': {cfg.drafter.feature_loss_weight} "
-                          "(must be >= 0)")
-    from drafthead.registry import DRAFTERS, INITS
+    from drafthead.registry import FAMILIES
 
     dc = cfg.drafter
-    if dc.family not in DRAFTERS:
-        raise ConfigError(f"bad value for 'drafter.family': {dc.family!r} (choose from {', '.join(DRAFTERS)})")
-    if dc.init not in INITS[dc.family]:
-        raise ConfigError(f"bad value for 'drafter.init': {dc.init!r} for family {dc.family} "
-                          f"(choose from {', '.join(INITS[dc.family])})")
-    if dc.num_modules < 1:
-        raise ConfigError("bad value for 'drafter.num_modules': must be >= 1")
-    if dc.step_weights is not None and len(dc.step_weights) != dc.num_modules:
-        raise ConfigError(f"bad value for 'drafter.step_weights': {len(dc.step_weights)} weights for "
-                          f"drafter.num_modules={dc.num_modules} depths (one per depth)")
-    if dc.attention not in ("causal", "chain"):
-        raise ConfigError(f"bad value for 'drafter.attention': {dc.attention!r} (choose from causal, chain)")
+    if dc.family not in FAMILIES:
+        raise ConfigError(f"bad value for 'drafter.family': {dc.family!r} (choose from {', '.join(FAMILIES)})")
+    try:
+        getattr(dc, dc.family).validate()
+    except ValueError as e:  # "<key>: <why>" from the family's options
+        key, _, why = str(e).partition(": ")
+        raise ConfigError(f"bad value for 'drafter.{dc.family}.{key}': {why}") from None
 
 
 def to_yaml(cfg: RunConfig) -> str:

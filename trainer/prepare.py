@@ -12,7 +12,7 @@ import torch
 from drafthead.target import Target
 from trainer import data as D
 from trainer.config import RunConfig
-from trainer.loop import Dist, barrier
+from trainer.dist import Dist, barrier
 
 
 @dataclass
@@ -81,21 +81,28 @@ class DraftSetup:
 
 
 def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch.device, log=print) -> DraftSetup:
-    """Draft vocabulary from the loss-masked training tokens (reduced-vocab families; MTP predicts the full
-    vocab), then the drafter built and initialised from the target, and the teacher head over its vocab."""
-    from drafthead.registry import REDUCED_VOCAB, build_for_target, init_for_target
+    """Draft vocabulary from the loss-masked training tokens (families with a reduced vocabulary; the others
+    predict the full one), then the drafter built and initialised from the target, and the teacher head
+    over its vocabulary."""
+    from drafthead.registry import family
     from drafthead.target import TargetHead, lm_head_weight
     from drafthead.vocab import build_vocab_mapping, count_tokens, draft_ids
 
+    fam = family(cfg.drafter.family)
+    options = getattr(cfg.drafter, fam.name)
     d2t = t2d = None
-    if cfg.drafter.family in REDUCED_VOCAB:
+    if fam.reduced_vocab:
         counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in train), target.config.vocab_size)
-        d2t, t2d = build_vocab_mapping(counts, min(cfg.drafter.draft_vocab_size, target.config.vocab_size))
+        d2t, t2d = build_vocab_mapping(counts, min(options.draft_vocab_size, target.config.vocab_size))
         covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)
         log(f"draft vocab: {d2t.numel()} tokens cover {covered:.1%} of {counts.sum().item()} assistant tokens")
-    drafter = build_for_target(cfg.drafter.family, target.config, cfg.drafter, cfg.capture.layer_ids,
-                               None if d2t is None else d2t.numel())
-    init = init_for_target(drafter, target, cfg.drafter, d2t, t2d)
+    config = fam.build(target.config, options, cfg.capture.layer_ids, None if d2t is None else d2t.numel())
+    drafter = fam.model(config)
+    if d2t is not None:
+        with torch.no_grad():
+            drafter.d2t.copy_(d2t)
+            drafter.t2d.copy_(t2d)
+    init = fam.init(drafter, target, options)
     drafter.to(device).train()
     head = TargetHead(lm_head_weight(target.model), None if d2t is None else draft_ids(d2t)).to(device)
     return DraftSetup(drafter, head, init, d2t, t2d)

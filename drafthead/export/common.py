@@ -1,4 +1,4 @@
-"""What every exporter needs: the validated draft, the target's dimensions, the HF llama fields.
+"""What every exporter needs: the target's dimensions, GGUF metadata, output types, atomic writes.
 
 An export never starts writing before all of this has passed, so a bad draft or a mismatched target
 leaves nothing at `out`.
@@ -14,26 +14,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
-from drafthead.eagle3 import Eagle3Config
-from drafthead.registry import NOT_SAVED, read_draft_config
+from drafthead.registry import LoadedDraft as DraftSource  # noqa: F401  (what exporters receive)
 
 log = logging.getLogger(__name__)
 
 
 class ExportError(ValueError):
     """A draft, target or option that cannot be exported as asked."""
-
-
-@dataclass
-class DraftSource:
-    """A draft directory read and checked: config, weights (SGLang names) and the raw metadata."""
-
-    path: Path
-    config: Eagle3Config
-    state: dict[str, torch.Tensor]  # our names: fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
-    meta: dict
 
 
 @dataclass
@@ -47,84 +35,6 @@ class TargetInfo:
     architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
     gguf_path: Path | None = None  # the target as one GGUF file (tokenizer metadata for to=gguf)
     source: str = ""  # where the numbers came from, for messages
-
-
-# ---------------------------------------------------------------------------------------------
-# draft
-
-def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of an `Eagle3Drafter`'s saved tensors (a test pins them against the module)."""
-    H, I, D, N, V = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.draft_vocab_size, cfg.vocab_size
-    q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
-    return {
-        "fc.weight": (H, len(cfg.aux_layer_ids) * cfg.target_hidden_size),
-        "midlayer.input_layernorm.weight": (H,),
-        "midlayer.hidden_norm.weight": (H,),
-        "midlayer.self_attn.q_proj.weight": (q, 2 * H),
-        "midlayer.self_attn.k_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
-        "midlayer.self_attn.o_proj.weight": (H, q),
-        "midlayer.post_attention_layernorm.weight": (H,),
-        "midlayer.mlp.gate_proj.weight": (I, H),
-        "midlayer.mlp.up_proj.weight": (I, H),
-        "midlayer.mlp.down_proj.weight": (H, I),
-        "norm.weight": (H,),
-        "lm_head.weight": (N, H),
-        "d2t": (N,),
-        "t2d": (V,),
-    }
-
-
-def load_source(draft_dir: str | os.PathLike) -> DraftSource:
-    """Read `draft_dir` (a drafthead draft, `run_dir/final/`) and check weights against its config."""
-    path = Path(draft_dir)
-    if not path.is_dir():
-        raise ExportError(f"draft directory not found: {path}")
-    meta = read_draft_config(path)
-    if meta["family"] != "eagle3":
-        raise ExportError(f"{path}: export supports EAGLE3 drafts only, this draft is family {meta['family']!r}")
-    try:
-        cfg = Eagle3Config(**meta["draft"])
-    except TypeError as e:
-        raise ExportError(f"{path}/config.json: bad 'draft' section: {e}") from None
-    if len(cfg.aux_layer_ids) != 3:
-        raise ExportError(f"{path}: EAGLE3 export needs exactly 3 aux layer ids (SGLang/vLLM/llama.cpp), "
-                          f"got {cfg.aux_layer_ids}")
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise ExportError(f"{path}: no model.safetensors")
-    state = load_file(str(weights))
-    check_state(state, cfg, str(path))
-    state = {k: v for k, v in state.items() if k not in NOT_SAVED}  # the embedding always comes from the target
-    return DraftSource(path, cfg, state, meta)
-
-
-def check_state(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: str) -> None:
-    """Missing/unexpected/misshapen tensors and a d2t/t2d pair that does not describe one vocabulary."""
-    want = expected_shapes(cfg)
-    missing = sorted(set(want) - set(state))
-    unexpected = sorted(set(state) - set(want) - set(NOT_SAVED))
-    if missing or unexpected:
-        raise ExportError(f"{where}: draft tensors do not match its config: missing {missing}, unexpected {unexpected}")
-    for k, shape in want.items():
-        if tuple(state[k].shape) != shape:
-            raise ExportError(f"{where}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
-    d2t, t2d = state["d2t"], state["t2d"]
-    if d2t.dtype != torch.int64:
-        raise ExportError(f"{where}: d2t must be int64 offsets, got {d2t.dtype}")
-    if t2d.dtype != torch.bool:
-        raise ExportError(f"{where}: t2d must be bool, got {t2d.dtype}")
-    ids = absolute_d2t(d2t)
-    if bool(((ids < 0) | (ids >= cfg.vocab_size)).any()):
-        raise ExportError(f"{where}: d2t maps draft ids outside the target vocabulary 0..{cfg.vocab_size - 1}")
-    if ids.unique().numel() != ids.numel():
-        raise ExportError(f"{where}: d2t maps two draft ids to the same target id")
-    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[ids].all()):
-        raise ExportError(f"{where}: t2d (marks {int(t2d.sum())} target ids) does not agree with d2t "
-                          f"({cfg.draft_vocab_size} draft ids)")
-    for k, v in state.items():
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise ExportError(f"{where}: tensor {k} has NaN/inf values")
 
 
 def absolute_d2t(d2t: torch.Tensor) -> torch.Tensor:
@@ -279,23 +189,11 @@ def resolve_target(target: str | None, meta: dict) -> TargetInfo:
     return info
 
 
-def check_target(cfg: Eagle3Config, t: TargetInfo) -> None:
-    if t.vocab_size != cfg.vocab_size:
-        raise ExportError(f"target vocab size {t.vocab_size} ({t.source}) does not match the draft's "
-                          f"{cfg.vocab_size}: the draft was trained for another target")
-    if t.hidden_size != cfg.target_hidden_size:
-        raise ExportError(f"target hidden size {t.hidden_size} ({t.source}) does not match the draft's "
-                          f"target_hidden_size {cfg.target_hidden_size}")
-    bad = [i for i in cfg.aux_layer_ids if not 0 <= i < t.num_hidden_layers]
-    if bad:
-        raise ExportError(f"aux layer ids {bad} out of range for a target with {t.num_hidden_layers} layers")
-
-
 # ---------------------------------------------------------------------------------------------
 # shared config pieces
 
-def llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    """The HF LlamaConfig fields of the one draft decoder layer (SGLang/vLLM/speculators read these)."""
+def llama_fields(cfg: Any) -> dict[str, Any]:
+    """The HF LlamaConfig fields of a one-layer draft (hidden_size, heads, ...: SGLang/vLLM/speculators read these)."""
     return {
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,

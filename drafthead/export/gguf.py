@@ -176,3 +176,38 @@ def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def read_back(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """An EAGLE3 draft GGUF (ours or llama.cpp's) -> our tensor names and layout (HF rotate-half q/k rows,
+    d2t offsets, t2d rebuilt): what `gguf_tensors` wrote, read back (quantized types dequantized to fp32)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    if arch != ARCH:
+        raise ExportError(f"{path}: general.architecture is {arch!r}, not {ARCH!r}")
+    q = gguf.GGMLQuantizationType
+    theirs = {t.name: t for t in r.tensors}
+    n_head = int(r.fields[f"{ARCH}.attention.head_count"].contents())
+    n_kv = int(r.fields[f"{ARCH}.attention.head_count_kv"].contents())
+    out: dict[str, torch.Tensor] = {}
+    for ours, name in TENSOR_NAMES.items():
+        t = theirs[name]
+        shape = tuple(int(x) for x in reversed(t.shape))
+        if t.tensor_type in (q.F32, q.F16, q.I64):
+            a = np.asarray(t.data).reshape(shape)
+        else:
+            a = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+        w = torch.from_numpy(a.astype(np.int64 if t.tensor_type == q.I64 else np.float32))
+        if ours == "midlayer.self_attn.q_proj.weight":
+            w = rope_unpermute(w, n_head)
+        elif ours == "midlayer.self_attn.k_proj.weight":
+            w = rope_unpermute(w, n_kv)
+        elif ours == "d2t":
+            w = w - torch.arange(w.numel())  # absolute target ids -> offsets
+        out[ours] = w
+    vocab = int(r.fields[f"{ARCH}.vocab_size"].contents())
+    out["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+    out["t2d"][out["d2t"] + torch.arange(out["d2t"].numel())] = True
+    return out

@@ -50,9 +50,8 @@ from drafthead.export.common import ExportError, check_gguf_out, default_mode, r
 from drafthead.io import atomic_dir
 from drafthead.mtp import MtpConfig, MtpDrafter
 from drafthead.mtp_native import layout, native_prefixes, to_native, to_ours
-from drafthead.registry import NOT_SAVED, read_draft_config, save_draft
+from drafthead.registry import LoadedDraft, save_draft
 
-FORMATS = ("hf", "gguf")
 # HF model_type -> the llama.cpp architecture whose graph runs our dense MTP block (see module docstring)
 GGUF_ARCHS = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
 GGUF_MAX_LAYERS = {"qwen35": 1}  # src/models/qwen35.cpp: "QWEN35 MTP currently only supports a single MTP block"
@@ -70,49 +69,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 # ---------------------------------------------------------------------------------------------
 # the draft
 
-@dataclass
-class MtpSource:
-    """An MTP draft directory read and checked against its config."""
-
-    path: Path
-    config: MtpConfig
-    state: dict[str, torch.Tensor]  # `layers.{i}.*` (no embedding)
-    meta: dict
-
-
-def load_mtp_source(draft_dir: str | os.PathLike) -> MtpSource:
-    """Read an MTP draft (`run_dir/final/`); missing, extra, misshapen or non-finite tensors are errors."""
-    path = Path(draft_dir)
-    if not path.is_dir():
-        raise ExportError(f"draft directory not found: {path}")
-    try:
-        meta = read_draft_config(path)
-    except (FileNotFoundError, ValueError) as e:
-        raise ExportError(str(e)) from None
-    if meta["family"] != "mtp":
-        raise ExportError(f"{path}: the MTP export (to=hf|gguf) takes MTP drafts; this draft is family "
-                          f"{meta['family']!r} (EAGLE3 exports: to=sglang|speculators|gguf)")
-    try:
-        cfg = MtpConfig(**meta["draft"])
-    except (TypeError, ValueError) as e:
-        raise ExportError(f"{path}/config.json: bad 'draft' section: {e}") from None
-    weights = path / "model.safetensors"
-    if not weights.is_file():
-        raise ExportError(f"{path}: no model.safetensors")
-    state = {k: v for k, v in load_file(str(weights)).items() if k not in NOT_SAVED}
-    with torch.device("meta"):  # names and shapes only, no memory
-        want = {k: tuple(v.shape) for k, v in MtpDrafter(cfg).state_dict().items() if k not in NOT_SAVED}
-    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
-    if missing or unexpected:
-        raise ExportError(f"{path}: MTP draft tensors do not match its config: missing {missing[:6]}"
-                          f"{' ...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
-                          f"{' ...' if len(unexpected) > 6 else ''}")
-    for k, shape in want.items():
-        if tuple(state[k].shape) != shape:
-            raise ExportError(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
-        if state[k].is_floating_point() and not bool(torch.isfinite(state[k]).all()):
-            raise ExportError(f"{path}: tensor {k} has NaN/inf values")
-    return MtpSource(path, cfg, state, meta)
+MtpSource = LoadedDraft  # an MTP draft read and checked by drafthead.registry.read_draft
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +312,7 @@ def write_hf(src: MtpSource, tgt: TargetCheckpoint, folder: Path, outtype: str |
     default_mode(folder, directory=True)
 
 
-def export_hf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
+def _export_hf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
     with atomic_dir(out) as tmp:
         write_hf(src, tgt, tmp, outtype)
     return Path(out)
@@ -398,7 +355,7 @@ def run_converter(hf_dir: Path, out_file: Path, outtype: str) -> None:
                           f"{res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ''}\n{res.stderr[-3000:]}")
 
 
-def export_gguf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
+def _export_gguf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
     outtype = outtype or "auto"
     out = check_gguf_out(out, outtype, GGUF_OUTTYPES)
     arch = gguf_arch(tgt.model_type, tgt.name)
@@ -428,28 +385,29 @@ def export_gguf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, o
 
 
 # ---------------------------------------------------------------------------------------------
+# the family's entry points (`drafthead export to=hf|gguf`)
 
-def export(draft_dir: str | os.PathLike, to: str, out: str | os.PathLike, target: str | None = None,
-           outtype: str | None = None) -> Path:
-    """Export an MTP draft as `to` (hf | gguf) to `out`; nothing is left at `out` on an error."""
-    if to not in FORMATS:
-        raise ExportError(f"MTP drafts export to={'|'.join(FORMATS)} (the target checkpoint with MTP layers), "
-                          f"not to={to!r}")
-    src = load_mtp_source(draft_dir)
-    if to == "gguf":  # cheap checks first: loading a GGUF target through transformers takes a while
-        name, _, gguf_path = locate(target, src.meta)
-        if gguf_path is not None:
-            kv = read_gguf_metadata(gguf_path)
-            gguf_arch(str(kv.get("general.architecture", (0, None, ""))[2]), name)
-            raise ExportError(f"to=gguf converts the target's HF checkpoint with the MTP layers added; target "
-                              f"{name!r} is a GGUF file: pass target=HF_DIR")
-    tgt = resolve_checkpoint(target, src.meta)
-    if to == "gguf":
-        gguf_arch(tgt.model_type, tgt.name)
-    check_block(src.config, tgt)
-    if to == "gguf":
-        return export_gguf(src, tgt, out, outtype)
-    return export_hf(src, tgt, out, outtype)
+def export_hf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
+              outtype: str | None = None) -> Path:
+    """The target checkpoint with our MTP layers added, in `out` (a directory); nothing there on an error."""
+    tgt = resolve_checkpoint(target, draft.meta)
+    check_block(draft.config, tgt)
+    return _export_hf(draft, tgt, out, outtype)
+
+
+def export_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
+                outtype: str | None = None) -> Path:
+    """That checkpoint converted by llama.cpp's own converter, in `out` (a .gguf file)."""
+    name, _, gguf_path = locate(target, draft.meta)  # cheap checks first: a GGUF target loads slowly
+    if gguf_path is not None:
+        kv = read_gguf_metadata(gguf_path)
+        gguf_arch(str(kv.get("general.architecture", (0, None, ""))[2]), name)
+        raise ExportError(f"to=gguf converts the target's HF checkpoint with the MTP layers added; target "
+                          f"{name!r} is a GGUF file: pass target=HF_DIR")
+    tgt = resolve_checkpoint(target, draft.meta)
+    gguf_arch(tgt.model_type, tgt.name)
+    check_block(draft.config, tgt)
+    return _export_gguf(draft, tgt, out, outtype)
 
 
 def read_native_export(folder: str | os.PathLike) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -466,5 +424,9 @@ def read_native_export(folder: str | os.PathLike) -> tuple[Any, dict[str, torch.
     return config, to_ours(native, config)
 
 
-__all__ = ["FORMATS", "GGUF_ARCHS", "export", "load_mtp_source", "read_native_export",
-           "resolve_checkpoint"]
+__all__ = ["GGUF_ARCHS", "export_gguf", "export_hf", "read_native_export", "resolve_checkpoint"]
+
+
+def read_back(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A `to=hf` export -> our `layers.{i}.*` tensors, through the native loader's names."""
+    return read_native_export(path)[1]

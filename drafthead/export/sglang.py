@@ -3,7 +3,8 @@
 Layout: `config.json` (`LlamaForCausalLMEagle3`, llama fields of the one draft layer, `draft_vocab_size`,
 `target_hidden_size`, `eagle_config`, `norm_before_residual`) + `model.safetensors` with our own names
 (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`, `d2t` int64 offsets, `t2d` bool). No
-embedding: SGLang and vLLM take the target's.
+embedding: SGLang and vLLM take the target's. A draft trained with `norm_before_residual=true` is refused:
+SGLang's reader has no such field and would silently run the other residual (use `to=speculators`).
 
 Aux layer ids. drafthead id `i` = the INPUT of target decoder layer `i` (HF `hidden_states[i]`). Readers:
 - vLLM (`gpu_model_runner._get_eagle3_aux_layers_from_config`) reads the top-level
@@ -16,7 +17,6 @@ Aux layer ids. drafthead id `i` = the INPUT of target decoder layer `i` (HF `hid
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -78,6 +78,13 @@ def _target_record(target: TargetInfo, meta: dict) -> dict:
 
 
 def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:
+    if src.config.norm_before_residual:
+        # SGLang's LlamaForCausalLMEagle3 has no such field and always keeps the un-normed fc output as the
+        # residual, so it would silently compute another draft; refuse before anything is written
+        raise ExportError(f"{src.path}: this draft was trained with norm_before_residual=true, which the SGLang "
+                          f"layout cannot express (SGLang's EAGLE3 reader has no norm_before_residual field and "
+                          f"would silently compute a different draft); export it with to=speculators, whose "
+                          f"config carries norm_before_residual (vLLM serves it), or to=gguf for llama.cpp")
     state = cast_state(src.state, outtype)
     config = build_config(src.config, target, src.meta, dtype_name(state))
     return write_hf_dir(out, state, config)

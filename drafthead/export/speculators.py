@@ -7,10 +7,16 @@ method and the verifier). vLLM's `SpeculatorsConfig` turns it into an `Eagle3Lla
 its `update_eagle3` copies `eagle_aux_hidden_state_layer_ids` through unchanged, and vLLM captures the
 input of those decoder layers: our ids as they are. Weights: `layers.0.*` instead of `midlayer.*`.
 vLLM defaults `norm_before_residual` to true when absent, so it is always written.
+
+`store_embedding=True` also writes the target's token embedding as `embed_tokens.weight` (the name
+speculators' `Eagle3Speculator` / `Eagle3DraftModel` and vLLM's Eagle3 loader use; `embed_requires_grad`
+stays false: it is the target's frozen embedding). Without it, speculators 0.1.x's `from_pretrained`
+leaves the embedding at its random init; later releases (0.3.0, 0.9.0 read) fill it from the verifier's
+weights. 0.9.0 also reads the verifier's config and lm_head/norm on load, so offline it needs
+`verifier=/local/target_dir` whether or not the embedding is stored (tests/test_export_engines.py).
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -71,12 +77,55 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str,
 
 
 def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None,
-           num_draft_tokens: int = 3, verifier: str | None = None) -> Path:
-    cast = cast_state(src.state, outtype)
+           num_draft_tokens: int = 3, verifier: str | None = None, store_embedding: bool = False) -> Path:
+    if not isinstance(store_embedding, bool):
+        raise ExportError(f"store_embedding={store_embedding!r} must be true or false")
+    state = dict(src.state)
+    if store_embedding:
+        emb = target_embedding(target, src.config)
+        # with outtype unset the embedding takes the draft's float dtype (cast_state keeps dtypes then)
+        state[EMBEDDING] = emb if outtype is not None else emb.to(src.state["fc.weight"].dtype)
+    cast = cast_state(state, outtype)
     config = build_config(src.config, target, src.meta, dtype_name(cast), num_draft_tokens=num_draft_tokens,
                           verifier=verifier)
     state = {rename_out(k): v for k, v in cast.items()}
     return write_hf_dir(out, state, config)
+
+
+EMBEDDING = "embed_tokens.weight"  # speculators' Eagle3 models: `self.embed_tokens = nn.Embedding(...)` at top level
+
+
+def target_embedding(target: TargetInfo, cfg: Eagle3Config) -> torch.Tensor:
+    """The target's token embedding [V, H] in fp32, as `drafthead.target.load_target` loads the target.
+
+    An HF directory with safetensors/bin weights is read as HF weights even when a GGUF lies next to it;
+    a directory holding only config.json and a GGUF (and a built-in name or a .gguf path) reads the GGUF.
+    """
+    from drafthead.target import load_target
+
+    p = Path(target.name_or_path)
+    gguf_file = None
+    if target.gguf_path is not None and p.is_dir() and not _has_hf_weights(p):
+        gguf_file = Path(target.gguf_path).name
+    try:
+        t = load_target(target.name_or_path, gguf_file, dtype="float32")
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one clear export error
+        raise ExportError(f"store_embedding=true reads the target's token embedding, but target "
+                          f"{target.name_or_path!r} could not be loaded ({type(e).__name__}: {e}); pass "
+                          f"target=LOCAL_HF_DIR (or a .gguf file)") from None
+    emb = t.model.get_input_embeddings().weight.detach().to("cpu", torch.float32).contiguous()
+    del t
+    want = (cfg.vocab_size, cfg.hidden_size)
+    if tuple(emb.shape) != want:
+        raise ExportError(f"target {target.name_or_path!r} has a token embedding of shape {tuple(emb.shape)}; the "
+                          f"draft needs (vocab_size, hidden_size) = {want}")
+    if not bool(torch.isfinite(emb).all()):
+        raise ExportError(f"target {target.name_or_path!r}: token embedding has NaN/inf values")
+    return emb.clone()
+
+
+def _has_hf_weights(d: Path) -> bool:
+    return any(d.glob("*.safetensors")) or any(d.glob("pytorch_model*.bin"))
 
 
 def to_internal(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:

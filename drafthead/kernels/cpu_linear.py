@@ -52,6 +52,7 @@ def _load() -> ModuleType | None:
 
             build = cache_dir() / "torch_extensions" / f"cpu_linear-torch{torch.__version__.split('+')[0]}"
             build.mkdir(parents=True, exist_ok=True)
+            clear_stale_lock(build / "lock")
             _state["ext"] = load("drafthead_cpu_linear", [str(_SOURCE)], build_directory=str(build),
                                  extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
                                  verbose=False)
@@ -63,6 +64,38 @@ def _load() -> ModuleType | None:
         warnings.warn(f"drafthead: bf16 CPU decode kernel unavailable ({why}); using oneDNN (slower at 1-8 rows)",
                       stacklevel=3)
     return None
+
+
+STALE_LOCK_S = 600.0  # a build takes about a minute; a lock older than this was left by a killed process
+
+
+def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S) -> bool:
+    """torch's extension loader takes `<build>/lock` even to load a current build and waits, without a word
+    and without end, while the file exists: a process killed mid-load leaves one that hangs every later
+    process. Wait for a live builder up to `stale_s` after the lock was made, then remove it (saying so).
+    Returns whether a lock was removed."""
+    import time
+
+    def age() -> float | None:
+        try:
+            return time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # no lock, or the builder just finished
+            return None
+
+    a = age()
+    if a is None:
+        return False
+    if a < stale_s:
+        warnings.warn(f"drafthead: waiting up to {stale_s - a:.0f} s for another process's kernel build ({lock})",
+                      stacklevel=3)
+        while (a := age()) is not None and a < stale_s:
+            time.sleep(0.5)
+        if a is None:
+            return False
+    lock.unlink(missing_ok=True)
+    warnings.warn(f"drafthead: removed a stale kernel build lock ({lock}, {a:.0f} s old): a process was killed "
+                  f"while loading the extension", stacklevel=3)
+    return True
 
 
 def available() -> bool:

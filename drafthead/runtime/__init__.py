@@ -1,4 +1,4 @@
-"""Speculative decoding runtime: lean target forward, EAGLE3 chain / EAGLE-2 tree / n-gram drafting,
+"""Speculative decoding runtime: lean target forward, chain / EAGLE-2 tree / n-gram drafting,
 lossless verification, KV rollback, batching, adaptive draft length."""
 from drafthead.runtime.generate import GenerationResult, SpecConfig, SpeculativeGenerator
 from drafthead.runtime.model import TargetModel

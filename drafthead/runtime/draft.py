@@ -1,17 +1,16 @@
-"""Proposals for one verify round: EAGLE3 / MTP chain, EAGLE-2 dynamic tree, n-gram (prompt lookup).
+"""Proposals for one verify round: chain, EAGLE-2 dynamic tree, n-gram (prompt lookup), and the shared
+drafting states families build theirs from.
 
 Every proposal is a token tree (a chain is parents[i] = i - 1) whose node 0 is the root = the last
 accepted token, which the target has not processed yet. The target verifies the whole tree in one
 forward, so drafting only has to produce `Proposal` tensors.
 
-EAGLE3 draft positions (see `Eagle3Drafter.decode`): the draft's prefix entry at position t is
-(token x_{t+1}, fuse(f_t)) and predicts x_{t+2}. The draft prefix always covers exactly the tokens the
-target has cached, so after a round it is extended with the accepted path and its fresh target features;
-entries made while speculating are never kept.
-
-MTP drafts (`MtpDrafter`) speak the same API with the target's last hidden state h_t in place of the
-fused aux feature (prefix entry t = (x_{t+1}, h_t)) and the full vocabulary as "draft vocabulary"; a
-recursive MTP draft (one module) is a `DraftRunner` as is, chains and trees alike.
+Draft positions (the `decode` contract of a drafter run by `DraftRunner`): the draft's prefix entry at
+position t is (token x_{t+1}, fuse(f_t)) and predicts x_{t+2}, where f_t is the target feature the family
+reads (`drafter.features`: the captured aux layers, or the last hidden state). The draft prefix always
+covers exactly the tokens the target has cached, so after a round it is extended with the accepted path
+and its fresh target features; entries made while speculating are never kept. A drafter without a
+reduced vocabulary reports its full vocabulary as the "draft vocabulary" (`draft_to_target` = identity).
 """
 from __future__ import annotations
 
@@ -91,10 +90,12 @@ def merge_ngram(prop: Proposal, ngram: list[list[int]], use: list[bool]) -> Prop
 
 
 class DraftRunner:
-    """EAGLE3 drafter state for a batch: static prefix KV cache + this round's speculative entries.
+    """Drafting state of a one-layer drafter for a batch: static prefix KV cache + this round's
+    speculative entries. Chains and trees.
 
     Args:
-        drafter: an `Eagle3Drafter` (or any module with `config`, `fuse`, `decode`, `draft_to_target`).
+        drafter: a module with `config` (num_key_value_heads, head_dim, draft_vocab_size, vocab_size),
+            `fuse`, `decode` and `draft_to_target`.
         batch, capacity: rows and max prefix entries of the static cache.
     """
 
@@ -235,7 +236,7 @@ class DraftRunner:
 
 
 class _Module:
-    """One module of a multi-module MTP draft seen through the drafter API `DraftRunner` uses."""
+    """One module of a multi-module draft seen through the drafter API `DraftRunner` uses."""
 
     def __init__(self, drafter: nn.Module, module: int) -> None:
         self.drafter, self.module, self.config = drafter, module, drafter.config
@@ -254,7 +255,7 @@ class _Module:
 
 
 class ModuleChainRunner:
-    """Chains for an MTP draft with sequential modules (DeepSeek layout: module m drafts depth m).
+    """Chains for a draft with sequential modules (module m drafts depth m, as in DeepSeek-V3's layout).
 
     Each module keeps its own prefix KV cache, built like module 0's from (x_{t+1}, h_t) pairs (what
     vLLM's single-module chain sees). Chain step j runs module j % M and attends to that module's

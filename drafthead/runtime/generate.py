@@ -3,7 +3,7 @@
 One round for a batch of requests (each at its own length):
   1. propose a token tree per request; node 0 is the root = last accepted token, not yet in the target cache
   2. one target forward over all nodes with the tree mask (positions = cache length + depth), capturing
-     the EAGLE3 aux features
+     the features the drafter reads
   3. greedy match or lossless rejection sampling -> accept_len, path, next_token (the bonus)
   4. compact the target KV of the accepted path (tree) and advance the lengths; nothing is recomputed
   5. emit tokens (stop at EOS / budget), drop finished requests from the batch
@@ -21,7 +21,7 @@ from torch import nn
 
 from drafthead.kernels import cpu_linear
 from drafthead.runtime import ops
-from drafthead.runtime.draft import DraftRunner, ModuleChainRunner, Proposal, chain_proposal, merge_ngram, ngram_lookup
+from drafthead.runtime.draft import Proposal, chain_proposal, merge_ngram, ngram_lookup
 from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import probs, sample
 from drafthead.target import Target
@@ -38,8 +38,8 @@ CACHE_SLACK = 64
 @dataclass
 class SpecConfig:
     mode: str = "chain"  # "ar" (no drafting: our own autoregressive loop) | "chain" | "tree" | "ngram"
-    num_draft_tokens: int = 4  # chain: k drafts per round; tree: node budget (excl. root)
-    depth: int = 5  # tree depth (EAGLE-2 dynamic tree)
+    num_draft_tokens: int = 4  # draft depth: drafts per round along one path (chain length, deepest tree path)
+    tree_nodes: int = 8  # tree: draft nodes verified per round (excl. the root; EAGLE-2 dynamic tree)
     topk: int = 4  # tree: children expanded per node
     temperature: float = 0.0
     top_p: float = 1.0
@@ -81,12 +81,12 @@ class _Request:
 
 
 class SpeculativeGenerator:
-    """Generate with a frozen target and an optional trained drafter (EAGLE3 or MTP).
+    """Generate with a frozen target and an optional trained drafter of any registered family.
 
     Args:
         target: the frozen target (`drafthead.target.Target`; Llama / Qwen2 / Qwen3 architecture).
-        drafter: an `Eagle3Drafter` or `MtpDrafter` trained for this target, or None (modes "ar" and
-            "ngram" only). An MTP draft with several sequential modules drafts chains only.
+        drafter: a drafter trained for this target (`drafthead.family.Drafter`), or None (modes "ar"
+            and "ngram" only). Modes "chain" / "tree" need the drafter to list them in `draft_modes`.
         device: where to run.
     Raises:
         ValueError: unsupported target, or a drafter that does not fit the target.
@@ -100,7 +100,7 @@ class SpeculativeGenerator:
         # bf16 drafts on CPU draft through the packed decode kernel (a copy; the drafter passed in is untouched)
         self.draft_model = cpu_linear.with_packed_linears(self.drafter) if drafter is not None else None
         aux = check_drafter(drafter, target.config) if drafter is not None else []
-        last = drafter is not None and uses_last_hidden(drafter)
+        last = drafter is not None and drafter.features == "last"
         self.model = TargetModel(target.model.to(self.device), aux, capture_last=last)
         self.eos = eos_ids(target)
 
@@ -128,10 +128,10 @@ class SpeculativeGenerator:
             raise ValueError(f"unknown spec mode {spec.mode!r} (choose from {', '.join(MODES)})")
         if spec.mode in ("chain", "tree") and self.drafter is None:
             raise ValueError(f"spec mode {spec.mode!r} needs a drafter (or use mode 'ngram' / 'ar')")
-        if spec.mode == "tree" and getattr(self.drafter, "chain_modules", 1) > 1:
-            raise ValueError("spec mode 'tree' needs one draft module; this MTP draft has "
-                             f"{self.drafter.chain_modules} sequential modules (use mode 'chain')")
-        for name in ("num_draft_tokens", "depth", "topk", "batch_size", "ngram_n"):
+        if spec.mode in ("chain", "tree") and spec.mode not in self.drafter.draft_modes:
+            raise ValueError(f"spec mode {spec.mode!r}: this {self.drafter.family} draft drafts "
+                             f"{', '.join(self.drafter.draft_modes)} only")
+        for name in ("num_draft_tokens", "tree_nodes", "topk", "batch_size", "ngram_n"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"spec.{name} must be >= 1, got {getattr(spec, name)}")
         if spec.temperature < 0:
@@ -176,7 +176,7 @@ class _Session:
         self.use_ngram = spec.mode == "ngram" or (self.use_drafter and spec.ngram)
         # longest drafter proposal along one path, verify nodes per round, n-gram proposal cap
         if spec.mode == "tree":
-            self.max_len, self.max_nodes = spec.depth, self.tree_budget()
+            self.max_len, self.max_nodes = spec.num_draft_tokens, self.tree_budget()
             self.ngram_cap = self.max_nodes  # the n-gram chain then costs what the tree would
         elif spec.mode == "chain":
             self.max_len = self.max_nodes = spec.num_draft_tokens
@@ -190,8 +190,7 @@ class _Session:
         self.cache = g.model.new_cache(B, self.capacity)
         self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
         self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached
-        runner = ModuleChainRunner if getattr(g.drafter, "chain_modules", 1) > 1 else DraftRunner
-        self.draft = runner(g.draft_model, B, self.capacity, self.dev) if self.use_drafter else None
+        self.draft = g.draft_model.draft_state(B, self.capacity, self.dev) if self.use_drafter else None
         # adaptive draft length per request: EMA of accept_len, k = round(ema) + 1
         self.ema = torch.full((B,), (self.max_len - 1) / 2, device=self.dev)
 
@@ -332,7 +331,7 @@ class _Session:
 
     def tree_budget(self) -> int:
         s = self.spec  # the pool holds topk + (depth-1)*topk^2 candidates
-        return min(s.num_draft_tokens, s.topk + (s.depth - 1) * s.topk ** 2)
+        return min(s.tree_nodes, s.topk + (s.num_draft_tokens - 1) * s.topk ** 2)
 
     def verify(self, prop: Proposal, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Greedy match or rejection sampling over the proposal. logits [B, N, V] at every node.
@@ -366,39 +365,12 @@ def chain_path(accept_len: torch.Tensor, N: int) -> torch.Tensor:
     return torch.where(idx <= accept_len[:, None], idx, -1)
 
 
-def uses_last_hidden(drafter: nn.Module) -> bool:
-    """MTP drafts read the target's last hidden state; EAGLE3 drafts read aux features."""
-    return "last" in getattr(drafter, "inputs", ("aux",))
-
-
 def check_drafter(drafter: nn.Module, tcfg) -> list[int]:
-    """Raise ValueError when the drafter was not built for this target; returns its aux layer ids."""
-    c = drafter.config
-    problems = []
-    if uses_last_hidden(drafter):
-        if c.hidden_size != tcfg.hidden_size:
-            problems.append(f"hidden size: MTP draft has hidden_size={c.hidden_size}, target has {tcfg.hidden_size}")
-        if c.vocab_size != tcfg.vocab_size:
-            problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
-        if problems:
-            raise ValueError("draft/target mismatch: " + "; ".join(problems))
-        return []
-    if c.target_hidden_size != tcfg.hidden_size:
-        problems.append(f"hidden size: draft expects target_hidden_size={c.target_hidden_size}, "
-                        f"target has hidden_size={tcfg.hidden_size}")
-    if c.vocab_size != tcfg.vocab_size:
-        problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
-    n = tcfg.num_hidden_layers
-    bad = [i for i in c.aux_layer_ids if not 0 <= i < n]
-    if bad or not c.aux_layer_ids:
-        problems.append(f"aux layer ids {list(c.aux_layer_ids)} out of range for a target with {n} decoder layers")
-    if not problems:
-        top = int(drafter.draft_to_target(torch.arange(c.draft_vocab_size, device=drafter.d2t.device)).max())
-        if top >= tcfg.vocab_size:
-            problems.append(f"vocab: d2t maps draft ids to target id {top} >= target vocab {tcfg.vocab_size}")
+    """Raise ValueError when the drafter was not built for this target; returns the layers it captures."""
+    problems = drafter.check_target(tcfg)
     if problems:
         raise ValueError("draft/target mismatch: " + "; ".join(problems))
-    return list(c.aux_layer_ids)
+    return drafter.capture_layer_ids()
 
 
 def eos_ids(target: Target) -> set[int]:

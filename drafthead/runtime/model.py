@@ -31,9 +31,9 @@ class TargetModel:
 
     Args:
         model: HF causal LM (Llama, Qwen2 or Qwen3 architecture), frozen.
-        aux_layer_ids: decoder layers whose *input* is returned as aux features (EAGLE3 capture).
+        aux_layer_ids: decoder layers whose *input* is returned as aux features.
         capture_last: return the last hidden state (after the final norm, what lm_head reads) as the
-            features instead (MTP).
+            features instead (drafters whose `features` is "last").
     """
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | tuple[int, ...] = (),

@@ -1,11 +1,11 @@
-"""Training machinery: distributed setup, DDP/DeepSpeed wrapping, batching, checkpoints, eval, logging.
+"""Training machinery around the drafter: batching, the micro-step, DDP/DeepSpeed engines, checkpoints,
+held-out eval, logging (the distributed helpers are in trainer/dist.py).
 
 Drafter files stay free of all of this; `train.py` strings these pieces together top to bottom.
 """
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -13,7 +13,6 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,50 +27,7 @@ from drafthead.layers import softmax_floored
 from drafthead.target import Target, TargetHead
 from trainer.capture import collate, collate_features, features_for_batch
 from trainer.config import RECIPES_DIR, RunConfig
-
-
-# ---------------------------------------------------------------------------------------------
-# distributed
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = torch.device("cpu")
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed() -> Dist:
-    """torchrun sets WORLD_SIZE/RANK; gloo on CPU, nccl on GPU. Plain `python train.py` = 1 process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
-    device = torch.device(f"cuda:{local}" if cuda else "cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        # long timeout: the other ranks wait in a barrier while rank 0 alone regenerates data or runs an
-        # offline capture, which takes hours on real data (the NCCL default of 10 min would kill them)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=12))
-    return Dist(rank, world, local, device)
-
-
-def barrier(d: Dist) -> None:
-    if d.world > 1:
-        dist.barrier()
-
-
-def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world > 1:  # NCCL reduces only CUDA tensors: go through the rank's device
-        dev = t.device
-        t = t.to(d.device, copy=True)
-        dist.all_reduce(t)
-        t = t.to(dev)
-    return t
+from trainer.dist import Dist, all_reduce_sum, barrier
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,25 +101,18 @@ def make_batch(items: list[Any], target: Target, layer_ids: list[int], feat_dtyp
     return {k: v.to(device) for k, v in batch.items()}
 
 
-FEATURE_ARGS = {"aux": "aux_hidden", "last": "last_hidden"}  # batch key -> drafter forward argument
-
-
-def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead, drafter: nn.Module | None = None
-                   ) -> dict[str, torch.Tensor]:
-    """Forward kwargs: EAGLE3 reads the aux features, MTP (`drafter.inputs == ("last",)`) the last hidden."""
+def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead) -> dict[str, torch.Tensor]:
+    """The training forward's arguments (the same for every family; each reads the features it needs)."""
     teacher, tgt = teacher_targets(head, batch["last"], batch["loss_mask"], batch.get("argmax"))
-    feats = {FEATURE_ARGS[k]: batch[k] for k in getattr(drafter, "inputs", ("aux",))}
-    if getattr(getattr(drafter, "config", None), "feature_loss_weight", 0.0) > 0:
-        feats["feature_target"] = batch["last"]  # [B, T, H] the regression target
-    return {"input_ids": batch["input_ids"], **feats, "teacher_probs": teacher,
-            "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
+    return {"input_ids": batch["input_ids"], "aux_hidden": batch["aux"], "last_hidden": batch["last"],
+            "teacher_probs": teacher, "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
 
 
 def forward_backward(engine: Any, batch: dict[str, torch.Tensor], head: TargetHead, dtype: str,
                      device: torch.device) -> dict[str, torch.Tensor]:
     """One micro-step: teacher targets, drafter forward under the run's precision, backward."""
     with autocast(dtype, device, engine.kind):
-        out = engine.forward(**drafter_inputs(batch, head, engine.module))
+        out = engine.forward(**drafter_inputs(batch, head))
     engine.backward(out["loss"])
     return out
 
@@ -430,7 +379,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     correct = count = loss = None
     nb = 0
     for batch in batches:
-        out = model(**drafter_inputs(batch, head, model))
+        out = model(**drafter_inputs(batch, head))
         correct = out["correct"] if correct is None else correct + out["correct"]
         count = out["count"] if count is None else count + out["count"]
         loss = out["loss"].detach() if loss is None else loss + out["loss"].detach()

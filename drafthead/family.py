@@ -1,0 +1,80 @@
+"""What the shared code (trainer, runtime, eval, export) asks of a drafter family, and nothing more.
+
+A family is one file, `drafthead/<name>.py`, ending in `FAMILY = Family(...)`, plus one line in
+`drafthead.registry.FAMILIES`. The shared code never names a family: it reads the `Family` record and
+talks to the drafter module through the `Drafter` protocol below. docs/adding_a_family.md walks through
+both; tests/test_families.py runs every registered family through the same checks.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    options: type  # dataclass: the recipe section `drafter.<name>.*`; its `validate()` raises ValueError
+    config: type  # dataclass saved as `final/config.json` "draft" (fields include `num_draft_tokens`)
+    model: type  # nn.Module built from `config`; speaks the `Drafter` protocol
+    # (target HF config, options, capture.layer_ids or None, draft vocab size or None) -> config
+    build: Callable[[Any, Any, list[int] | None, int | None], Any]
+    # (drafter, target, options) -> a few words on what was taken from the target; d2t/t2d are set before
+    init: Callable[[nn.Module, Any, Any], str]
+    # predicts over a draft vocabulary (d2t / t2d from the loss-masked training tokens, sized by
+    # `options.draft_vocab_size`): the capture then stores the target's full-vocab argmax and the teacher
+    # head computes the draft rows only. False = the full target vocabulary.
+    reduced_vocab: bool
+    # export format -> "module:function" (imported when used, so a family file does not import exporters);
+    # each function is `export(draft: LoadedDraft, out, target=None, **options) -> Path`, its keyword
+    # options are what `drafthead export` accepts for that format
+    exporters: dict[str, str] = field(default_factory=dict)
+    # export format -> "module:function" reading a written export back into the draft's own tensor names
+    # (`read_back(path) -> dict[str, Tensor]`): the contract test's round trip, and a user's check
+    readers: dict[str, str] = field(default_factory=dict)
+    # "draft" keys renamed since a draft directory was written: old name -> new name (read on load)
+    renamed_keys: dict[str, str] = field(default_factory=dict)
+    # (options, target HF config) -> a one-line description for the training log
+    describe: Callable[[Any, Any], str] | None = None
+
+
+class Drafter(Protocol):
+    """The drafter module as the shared code sees it (attributes and methods every family provides).
+
+    Training (trainer/):
+        forward(input_ids [B, T], aux_hidden [B, T, F], last_hidden [B, T, H], teacher_probs [B, T, N],
+                target_argmax [B, T], loss_mask [B, T]) -> {"loss", "step_loss", "correct", "count"}
+        (the last three [num_draft_tokens]: per draft depth). A family reads the features it needs.
+    Capture: `capture_layer_ids()` (inputs of these target decoder layers, `[]` = none); the target's last
+        hidden state (after its final norm) is always captured, the teacher distribution comes from it.
+    Runtime (drafthead/runtime):
+        `features` "aux" (the captured layers) or "last" (the last hidden state): what a draft prefix entry
+        reads; `draft_modes` the proposal shapes it supports ("chain", "tree"); `check_target(tcfg)` the
+        mismatches with a target, as messages; `draft_state(batch, capacity, device)` a fresh drafting state
+        (extend / chain / tree / select, see drafthead/runtime/draft.py).
+    Saving: every tensor of `state_dict()` except `embed_tokens.weight` (the target's, taken back on load).
+    """
+
+    family: str
+    config: Any
+    features: str
+    draft_modes: tuple[str, ...]
+    embed_tokens: nn.Embedding
+
+    def capture_layer_ids(self) -> list[int]: ...
+
+    def check_target(self, tcfg: Any) -> list[str]: ...
+
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any: ...
+
+
+def resolve(spec: str) -> Callable[..., Any]:
+    """"module:function" -> the function (exporters are declared by name so nothing is imported early)."""
+    import importlib
+
+    module, func = spec.split(":")
+    return getattr(importlib.import_module(module), func)

@@ -1,0 +1,159 @@
+"""The family contract: every registered drafter family, on tiny random Llama and Qwen3 targets, through
+the same checks. A new family gets them by registering (drafthead.registry.FAMILIES):
+
+- it builds from a recipe through the shared trainer code (vocabulary, init, teacher head);
+- three training steps on one fixed batch lower its loss;
+- save -> load gives back every tensor bit for bit;
+- greedy speculative output equals greedy AR output in every drafting mode it declares;
+- every exporter it declares round-trips through its reader (or says why this target cannot take it).
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from drafthead.export import ExportError, export
+from drafthead.family import resolve
+from drafthead.registry import FAMILIES, NOT_SAVED, draft_state_dict, load_draft, save_draft
+from drafthead.runtime import SpecConfig, SpeculativeGenerator
+from drafthead.target import load_target
+from trainer import engine as L
+from trainer.config import load_config
+from trainer.dist import Dist
+from trainer.prepare import build_draft
+
+ARCHS = ["llama", "qwen3"]
+# small enough for a tiny target (vocab ~320, 4 layers, hidden 64), in every family's own section
+SMALL = {"eagle3": ["drafter.eagle3.draft_vocab_size=128", "drafter.eagle3.num_draft_tokens=2",
+                    "capture.layer_ids=[1,2,3]"],
+         "mtp": ["drafter.mtp.num_draft_tokens=2"]}
+
+
+def samples(vocab: int, n: int = 4, length: int = 40, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(3, vocab, (length,), generator=g).tolist()
+        mask = [0] * 8 + [1] * (length - 8)  # a prompt, then the supervised answer
+        out.append({"id": f"s{i}", "input_ids": ids, "loss_mask": mask})
+    return out
+
+
+@pytest.fixture(scope="module", params=[(f, a) for f in FAMILIES for a in ARCHS],
+                ids=[f"{f}-{a}" for f in FAMILIES for a in ARCHS])
+def built(request, tiny_llama_dir, tiny_qwen3_dir, tmp_path_factory):
+    name, arch = request.param
+    tdir = tiny_llama_dir if arch == "llama" else tiny_qwen3_dir
+    cfg = load_config([f"drafter.family={name}", f"target.name_or_path={tdir}", "target.dtype=float32",
+                       "train.dtype=float32", "train.lr=1e-3", "train.warmup_ratio=0", "train.grad_clip=0",
+                       *SMALL.get(name, [])])
+    target = load_target(str(tdir), dtype="float32")
+    torch.manual_seed(0)
+    train = samples(target.config.vocab_size)
+    ds = build_draft(cfg, target, train, torch.device("cpu"), log=lambda *a: None)
+    return {"name": name, "arch": arch, "cfg": cfg, "target": target, "ds": ds, "train": train,
+            "tdir": tdir, "tmp": tmp_path_factory.mktemp(f"{name}-{arch}")}
+
+
+def test_builds_with_the_declared_vocabulary_and_features(built):
+    fam, ds, target = FAMILIES[built["name"]], built["ds"], built["target"]
+    assert ds.drafter.family == fam.name and isinstance(ds.drafter, fam.model)
+    assert (ds.d2t is not None) == fam.reduced_vocab
+    assert ds.drafter.features in ("aux", "last")
+    assert set(ds.drafter.draft_modes) <= {"chain", "tree"} and "chain" in ds.drafter.draft_modes
+    assert ds.drafter.check_target(target.config) == []
+    assert all(0 <= i < target.num_layers for i in ds.drafter.capture_layer_ids())
+    assert torch.equal(ds.drafter.embed_tokens.weight, target.model.get_input_embeddings().weight)
+
+
+def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
+    fam, ds, target, cfg = FAMILIES[built["name"]], built["ds"], built["target"], built["cfg"]
+    drafter = ds.drafter
+    batch = L.make_batch(built["train"], target, drafter.capture_layer_ids(), torch.float32, False,
+                         torch.device("cpu"), fam.reduced_vocab)
+    before = drafter.state_dict()
+    before = {k: v.clone() for k, v in before.items()}
+    engine = L.TorchEngine(drafter, cfg, 100, Dist())
+    losses = []
+    for _ in range(4):  # three optimizer steps, the loss read before each and after the last
+        out = L.forward_backward(engine, batch, ds.head, "float32", torch.device("cpu"))
+        losses.append(float(out["loss"].detach()))
+        engine.step()
+        assert out["correct"].shape == out["count"].shape == (drafter.config.num_draft_tokens,)
+    assert losses[-1] < losses[0], losses
+    drafter.load_state_dict(before)  # the other checks start from the built drafter
+
+
+def test_save_load_is_bit_identical(built):
+    ds, target, tmp = built["ds"], built["target"], built["tmp"]
+    path = save_draft(ds.drafter, tmp / "final", target.info())
+    back = load_draft(path, embed_weight=target.model.get_input_embeddings().weight)
+    want, got = draft_state_dict(ds.drafter), draft_state_dict(back)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+    assert torch.equal(back.embed_tokens.weight, ds.drafter.embed_tokens.weight)
+
+
+def test_greedy_speculative_equals_ar_in_every_declared_mode(built):
+    ds, target = built["ds"], built["target"]
+    torch.manual_seed(1)
+    with torch.no_grad():  # a drafter that agrees with the target sometimes and not always
+        for p in ds.drafter.parameters():
+            if p.requires_grad:
+                p.add_(0.02 * torch.randn_like(p))
+    gen = SpeculativeGenerator(target, ds.drafter)
+    prompts = [s["input_ids"][:12] for s in samples(target.config.vocab_size, n=3, seed=5)]
+    ar = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+    for mode in ds.drafter.draft_modes:
+        for batch_size in (1, 3):
+            spec = SpecConfig(mode=mode, num_draft_tokens=3, tree_nodes=6, topk=2, batch_size=batch_size)
+            got = [r.tokens for r in gen.generate(prompts, 16, spec)]
+            assert got == ar, (mode, batch_size)
+
+
+def weightless_gguf(path, target) -> None:
+    """Dims and tokenizer metadata of the target as a GGUF (what `to=gguf` exports read from a target)."""
+    import gguf
+
+    c = target.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"tok{i}" for i in range(c.vocab_size)])
+    w.add_token_types([1] * c.vocab_size)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_every_declared_exporter_round_trips(built):
+    fam, ds, target, tmp = FAMILIES[built["name"]], built["ds"], built["target"], built["tmp"]
+    tdir = tmp / "target"  # the target as a local dir with a GGUF beside it, for formats that copy its tokenizer
+    if not tdir.exists():
+        shutil.copytree(built["tdir"], tdir)
+        weightless_gguf(tdir / "target.gguf", target)
+    path = save_draft(ds.drafter, tmp / "export_src", {**target.info(), "name_or_path": str(tdir)})
+    saved = {k: v for k, v in draft_state_dict(ds.drafter).items() if k not in NOT_SAVED}
+    skipped = []
+    for fmt in fam.exporters:
+        out = tmp / (f"{fmt}.gguf" if fmt == "gguf" else fmt)
+        try:
+            export(path, fmt, out, target=str(tdir))
+        except ExportError as e:  # a format this target architecture cannot take: said, not silent
+            skipped.append(f"to={fmt}: {e}")
+            assert not out.exists()
+            continue
+        assert fmt in fam.readers, f"{fam.name}: exporter {fmt!r} wrote {out} but declares no reader"
+        back = resolve(fam.readers[fmt])(out)
+        assert back.keys() == saved.keys(), (fmt, sorted(set(back) ^ set(saved)))
+        for k, v in saved.items():
+            assert torch.equal(back[k].to(v.dtype), v), (fmt, k)
+    if skipped:
+        assert len(skipped) < len(fam.exporters), skipped  # at least one format works on every target
+        print("\n".join(skipped))

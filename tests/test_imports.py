@@ -1,0 +1,101 @@
+"""The house drawn from imports: no circles (function-level imports count too), `drafthead/` never imports
+`trainer/` or `eval/`, and the shared code (trainer, runtime, eval, export dispatch) never imports a
+drafter family's module: it asks the registry."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("drafthead", "trainer", "eval")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")] + [ROOT / "train.py"]
+    mods = {module_name(p): p for p in files}
+    graph: dict[str, set[str]] = {}
+    for mod, path in mods.items():
+        deps: set[str] = set()
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative import
+                    anchor = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                    base = ".".join(anchor[: len(anchor) - node.level + 1] + ([base] if base else []))
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            for n in names:
+                # importing a.b.c runs a/__init__ and a/b/__init__ too
+                parts = n.split(".")
+                for i in range(1, len(parts) + 1):
+                    m = ".".join(parts[:i])
+                    # a module's own parent packages are initialised before it, whatever it imports
+                    if m in mods and m != mod and not mod.startswith(m + "."):
+                        deps.add(m)
+        graph[mod] = deps
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def test_no_import_circles():
+    graph = import_graph()
+    assert "drafthead.runtime.generate" in graph and "trainer.engine" in graph  # the walk found the house
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_library_does_not_import_trainer_or_eval():
+    bad = {m: sorted(d for d in deps if d.split(".")[0] in ("trainer", "eval"))
+           for m, deps in import_graph().items() if m.startswith("drafthead")}
+    assert not {m: d for m, d in bad.items() if d}
+
+
+def test_shared_code_imports_no_family_module():
+    from drafthead.registry import FAMILIES
+
+    family_modules = {f.model.__module__ for f in FAMILIES.values()}
+    shared = ("train", "trainer", "eval", "drafthead.runtime", "drafthead.export")
+    graph = import_graph()
+    bad = {m: sorted(deps & family_modules) for m, deps in graph.items()
+           if (m == "train" or m.startswith(shared)) and m != "drafthead.export"}
+    # family-specific exporter modules are the family's own (drafthead/export/<family>.py and the formats
+    # only that family writes); the dispatcher and every shared module stay clear
+    allowed = {m for m in graph if m.startswith("drafthead.export.") and m != "drafthead.export.common"}
+    assert not {m: d for m, d in bad.items() if d and m not in allowed}
+    assert not graph["drafthead.export"] & family_modules

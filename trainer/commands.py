@@ -1,0 +1,35 @@
+"""`drafthead capture`: the trainer's command-line entry (the other commands: drafthead/cli.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def capture(argv: list[str]) -> int:
+    """`drafthead capture [recipe=NAME] key=value ...`: offline capture for a recipe (resumable), with the
+    features and the stored argmax the recipe's drafter family reads."""
+    from drafthead.registry import family
+    from drafthead.target import check_layer_ids, load_target
+    from trainer.capture import capture_offline
+    from trainer.config import parse_or_exit
+    from trainer.dist import Dist
+    from trainer.prepare import feature_dtype, prepare_samples
+
+    cfg = parse_or_exit(argv)
+    fam = family(cfg.drafter.family)
+    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
+    run_dir = Path(cfg.output_dir)
+    prep = prepare_samples(cfg, target, Dist(), run_dir)
+    # the layer ids the family's drafter would capture for this target (its config, never its weights)
+    config = fam.build(target.config, getattr(cfg.drafter, fam.name), cfg.capture.layer_ids, None)
+    with torch.device("meta"):
+        layer_ids = fam.model(config).capture_layer_ids()
+    check_layer_ids(layer_ids, target.num_layers)
+    out = Path(cfg.capture.dir or run_dir / "capture")
+    m = capture_offline(target, prep.train, out, layer_ids, feature_dtype(cfg.capture.dtype),
+                        cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress,
+                        argmax=fam.reduced_vocab)
+    print(f"captured {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards -> {out}\n"
+          f"next: python train.py recipe={cfg.recipe} capture.mode=offline capture.dir={out}")
+    return 0
