@@ -49,12 +49,6 @@ def make_config(name: str, draft: dict, error: type[ValueError] = ValueError) ->
         raise error(f"bad 'draft' section for family {name!r}: {e}") from None
 
 
-def build_drafter(name: str, config: Any) -> torch.nn.Module:
-    if isinstance(config, dict):
-        config = make_config(name, config)
-    return family(name).model(config)
-
-
 def draft_state_dict(drafter: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in NOT_SAVED}
 
@@ -108,21 +102,29 @@ def read_draft(path: str | os.PathLike, error: type[ValueError] = ValueError) ->
     if not weights.is_file():
         raise error(f"{path}: no model.safetensors")
     state = {k: v for k, v in load_file(str(weights)).items() if k not in NOT_SAVED}
+    check_state(state, fam, config, str(path), error)
+    return LoadedDraft(path, fam, config, state, meta)
+
+
+def check_state(state: dict[str, torch.Tensor], fam: Family, config: Any, where: str,
+                error: type[ValueError] = ValueError) -> None:
+    """Saved tensors (the embedding left out) against the module `config` describes, built on the meta
+    device: missing, unexpected, misshapen or non-finite tensors, and a d2t / t2d pair that does not describe
+    one vocabulary, are errors. Our draft directories and outside checkpoints (`load_exported`) alike."""
     with torch.device("meta"):
         want = {k: tuple(v.shape) for k, v in fam.model(config).state_dict().items() if k not in NOT_SAVED}
     missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or unexpected:
         more = lambda xs: f"{xs[:6]}{' ...' if len(xs) > 6 else ''}"  # noqa: E731
-        raise error(f"{path}: draft tensors do not match its config ({fam.name}): missing {more(missing)}, "
+        raise error(f"{where}: draft tensors do not match its config ({fam.name}): missing {more(missing)}, "
                     f"unexpected {more(unexpected)}")
     for k, shape in want.items():
         if tuple(state[k].shape) != shape:
-            raise error(f"{path}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
+            raise error(f"{where}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
         if state[k].is_floating_point() and not bool(torch.isfinite(state[k]).all()):
-            raise error(f"{path}: tensor {k} has NaN/inf values")
+            raise error(f"{where}: tensor {k} has NaN/inf values")
     if fam.reduced_vocab:
-        check_vocab(state["d2t"], state["t2d"], str(path), error)
-    return LoadedDraft(path, fam, config, state, meta)
+        check_vocab(state["d2t"], state["t2d"], where, error)
 
 
 def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str, error: type[ValueError] = ValueError) -> None:
@@ -144,14 +146,10 @@ def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str, error: type[Va
 def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None,
                device: str | torch.device = "cpu") -> torch.nn.Module:
     """Rebuild a drafter from `path`. `embed_weight` is the target's token embedding [V, H]."""
-    return instantiate(read_draft(path), embed_weight, device)
-
-
-def instantiate(draft: LoadedDraft, embed_weight: torch.Tensor | None = None,
-                device: str | torch.device = "cpu", error: type[ValueError] = ValueError) -> torch.nn.Module:
+    draft = read_draft(path)
     drafter = draft.family.model(draft.config)
     drafter.load_state_dict(draft.state, strict=False)  # the embedding is not saved
-    attach_embedding(drafter, embed_weight, error)
+    attach_embedding(drafter, embed_weight)
     return drafter.to(device).eval()
 
 

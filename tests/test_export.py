@@ -469,6 +469,27 @@ def test_gguf_needs_target_gguf(setup, tmp_path):
     assert (export(setup["draft"], "sglang", tmp_path / "s", target=str(hf)) / "config.json").is_file()
 
 
+def test_formats_lists_what_the_family_exports_and_its_options(setup):
+    from drafthead.export import formats
+
+    assert formats(setup["draft"]) == {"sglang": ["outtype"], "gguf": ["outtype"],
+                                       "speculators": ["outtype", "num_draft_tokens", "verifier", "store_embedding"]}
+
+
+def test_load_exported_checks_an_outside_checkpoint(setup, tmp_path):
+    """A third-party SGLang/speculators directory goes through the same tensor checks as our drafts."""
+    out = export(setup["draft"], "sglang", tmp_path / "s")
+    sd = load_file(str(out / "model.safetensors"))
+    save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match=r"draft tensors do not match its config \(eagle3\): missing \['lm_head.weight'\]"):
+        load_exported(out)
+    bad = dict(sd)
+    bad["norm.weight"] = torch.full_like(sd["norm.weight"], float("nan"))
+    save_file(bad, str(out / "model.safetensors"))
+    with pytest.raises(ExportError, match="tensor norm.weight has NaN/inf values"):
+        load_exported(out)
+
+
 def test_existing_output_replaced_only_on_success(setup, tmp_path):
     out = tmp_path / "s"
     export(setup["draft"], "sglang", out)

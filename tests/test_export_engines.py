@@ -22,10 +22,7 @@ from drafthead.export import sglang as sglang_export
 from drafthead.registry import save_draft
 from drafthead.vocab import build_vocab_mapping
 
-try:  # the EAGLE3 reader's home moves with the export refactor
-    from drafthead.export.eagle3 import load_exported
-except ImportError:
-    from drafthead.export import load_exported
+from drafthead.export.eagle3 import load_exported
 
 AUX = [2, 1, 3]  # inputs of target layers 2, 1, 3 (the tiny targets have 4 layers)
 

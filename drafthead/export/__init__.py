@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from drafthead.export.common import ExportError
-from drafthead.family import resolve
+from drafthead.family import Family, resolve
 from drafthead.registry import FAMILIES, LoadedDraft, family, read_draft, read_draft_config
 
 FIXED = ("draft", "out", "target")  # every exporter's own arguments; the rest are its options
@@ -29,22 +29,26 @@ def options(spec: str) -> list[str]:
     return [p for p in inspect.signature(resolve(spec)).parameters if p not in FIXED]
 
 
+def _family_of(draft_dir: str | os.PathLike | LoadedDraft) -> Family:
+    """The draft's family from its config.json alone (the weights are read only for a format it has)."""
+    if isinstance(draft_dir, LoadedDraft):
+        return draft_dir.family
+    try:
+        meta = read_draft_config(draft_dir)
+    except (FileNotFoundError, ValueError) as e:
+        raise ExportError(str(e)) from None
+    return family(meta["family"], ExportError)
+
+
 def formats(draft_dir: str | os.PathLike) -> dict[str, list[str]]:
-    draft = read_draft(draft_dir, ExportError)
-    return {fmt: options(spec) for fmt, spec in draft.family.exporters.items()}
+    """{format: its options} for the draft in `draft_dir`."""
+    return {fmt: options(spec) for fmt, spec in _family_of(draft_dir).exporters.items()}
 
 
 def export(draft_dir: str | os.PathLike | LoadedDraft, to: str, out: str | os.PathLike, target: str | None = None,
            **kw: Any) -> Path:
     """Export the draft in `draft_dir` as format `to` to `out`; returns `out`."""
-    if isinstance(draft_dir, LoadedDraft):
-        fam = draft_dir.family
-    else:  # the format first (cheap): a draft of another family need not be read to be refused
-        try:
-            meta = read_draft_config(draft_dir)
-        except (FileNotFoundError, ValueError) as e:
-            raise ExportError(str(e)) from None
-        fam = family(meta["family"], ExportError)
+    fam = _family_of(draft_dir)
     if to not in fam.exporters:
         others = sorted({f for other in FAMILIES.values() for f in other.exporters} - set(fam.exporters))
         raise ExportError(f"unknown export format to={to!r}; choose one of {sorted(fam.exporters)} (the formats of "

@@ -1,6 +1,6 @@
-"""EAGLE3 exports: the family's entry points for `to=sglang|speculators|gguf`, the checks they share (the
-draft against its target, and `load_exported`, which rebuilds a
-drafter from an SGLang or speculators checkpoint (ours or third-party)."""
+"""EAGLE3 exports: the family's entry points for `to=sglang|speculators|gguf`, the check they share (the
+draft against its target), and `load_exported`, which rebuilds a drafter from an SGLang or speculators
+checkpoint (ours or third-party)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from drafthead.eagle3 import FAMILY, Eagle3Config, Eagle3Drafter
 from drafthead.export import gguf, sglang, speculators
 from drafthead.export.common import ExportError, TargetInfo, resolve_target
-from drafthead.registry import NOT_SAVED, LoadedDraft, attach_embedding, check_vocab
+from drafthead.registry import NOT_SAVED, LoadedDraft, attach_embedding, check_state
 
 
 def prepare(draft: LoadedDraft, target: str | None) -> TargetInfo:
@@ -56,21 +56,6 @@ def check_target(cfg: Eagle3Config, t: TargetInfo) -> None:
         raise ExportError(f"aux layer ids {bad} out of range for a target with {t.num_hidden_layers} layers")
 
 
-def check_state(state: dict[str, torch.Tensor], cfg: Eagle3Config, where: str) -> None:
-    """An EAGLE3 state dict read from an outside checkpoint against the module its config describes."""
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in Eagle3Drafter(cfg).state_dict().items() if k not in NOT_SAVED}
-    missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want) - set(NOT_SAVED))
-    if missing or unexpected:
-        raise ExportError(f"{where}: draft tensors do not match its config: missing {missing}, unexpected {unexpected}")
-    for k, shape in want.items():
-        if tuple(state[k].shape) != shape:
-            raise ExportError(f"{where}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
-        if state[k].is_floating_point() and not bool(torch.isfinite(state[k]).all()):
-            raise ExportError(f"{where}: tensor {k} has NaN/inf values")
-    check_vocab(state["d2t"], state["t2d"], where, ExportError)
-
-
 def load_exported(path: str | os.PathLike, embed_weight: torch.Tensor | None = None,
                   device: str | torch.device = "cpu") -> Eagle3Drafter:
     """Rebuild an `Eagle3Drafter` from an SGLang or speculators export (ours or third-party)."""
@@ -88,7 +73,7 @@ def load_exported(path: str | os.PathLike, embed_weight: torch.Tensor | None = N
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[state["d2t"] + torch.arange(state["d2t"].numel())] = True
         state["t2d"] = t2d
-    check_state(state, cfg, str(path))
+    check_state(state, FAMILY, cfg, str(path), ExportError)
     drafter = Eagle3Drafter(cfg)
     drafter.load_state_dict(state, strict=False)
     attach_embedding(drafter, embed_weight if embed_weight is not None else stored_embedding, ExportError)
