@@ -4,8 +4,8 @@ A draft directory holds:
 - `config.json`: {"family": str, "draft": <family config dict>, "target": {name_or_path, gguf_file,
   architecture, num_hidden_layers, hidden_size, vocab_size}, "drafthead_version": str}
 - `model.safetensors`: the family's weights and buffers. The token embedding is a frozen copy of the
-  target's and is not saved (as in SGLang/vLLM EAGLE3 checkpoints); `load_draft` takes it from the
-  target. Everything else a family keeps (a frozen copy of the target's head, say) is saved when it is
+  target's and is not saved (as in SGLang/vLLM EAGLE3 checkpoints), nor is a family's frozen copy of the
+  target's head (`target_lm_head`); `load_draft` takes both from the target. Everything else a family keeps (a frozen copy of the target's head, say) is saved when it is
   part of the layout the family exports to.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafthead import eagle3, mtp
+from drafthead import dflash, eagle3, mtp
 from drafthead.family import Family
 from drafthead.io import atomic_dir
 from drafthead.vocab import draft_ids
@@ -28,8 +28,11 @@ from drafthead.vocab import draft_ids
 FAMILIES: dict[str, Family] = {
     "eagle3": eagle3.FAMILY,
     "mtp": mtp.FAMILY,
+    "dflash": dflash.FAMILY,
 }
-NOT_SAVED = ("embed_tokens.weight",)  # every family's frozen copy of the target's token embedding
+# frozen copies of the target's tensors, taken back from the target on load: every family's token
+# embedding, and the output head of families that read through the target's own (DFlash)
+NOT_SAVED = ("embed_tokens.weight", "target_lm_head.weight")
 FORMAT_VERSION = "drafthead-0.1"
 
 
@@ -144,13 +147,29 @@ def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str, error: type[Va
 
 
 def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None,
-               device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Rebuild a drafter from `path`. `embed_weight` is the target's token embedding [V, H]."""
+               device: str | torch.device = "cpu", head_weight: torch.Tensor | None = None) -> torch.nn.Module:
+    """Rebuild a drafter from `path`. `embed_weight` is the target's token embedding [V, H], `head_weight`
+    its output head [V, H] (read by families that keep a `target_lm_head`)."""
     draft = read_draft(path)
     drafter = draft.family.model(draft.config)
-    drafter.load_state_dict(draft.state, strict=False)  # the embedding is not saved
+    drafter.load_state_dict(draft.state, strict=False)  # the target's tensors are not saved
     attach_embedding(drafter, embed_weight)
+    attach_head(drafter, head_weight)
     return drafter.to(device).eval()
+
+
+def attach_head(drafter: torch.nn.Module, head_weight: torch.Tensor | None,
+                error: type[ValueError] = ValueError) -> None:
+    """Copy the target's output head [V, H] into a draft that reads through it (no-op for the others)."""
+    head = getattr(drafter, "target_lm_head", None)
+    if head is None:
+        return
+    if head_weight is None:
+        raise error(f"a {drafter.family} draft reads through the target's output head: pass head_weight")
+    if tuple(head_weight.shape) != tuple(head.weight.shape):
+        raise error(f"target head {tuple(head_weight.shape)} does not match the draft's {tuple(head.weight.shape)}")
+    with torch.no_grad():
+        head.weight.copy_(head_weight)
 
 
 def attach_embedding(drafter: torch.nn.Module, embed_weight: torch.Tensor | None,

@@ -20,7 +20,7 @@ from eval.acceptance import generate_samples, warmup
 from eval.datasets import DATASETS, load_eval_dataset
 from eval.report import build_report, machine_info, write_report
 
-MODES = ("ar", "chain", "tree", "ngram")
+MODES = ("ar", "chain", "tree", "ngram", "block")
 NONE_WORDS = ("none", "None", "null", "")
 
 
@@ -36,7 +36,7 @@ class EvalConfig:
     target: str | None = None  # default: the draft's config.json target.name_or_path
     gguf_file: str | None = None
     heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
-    mode: str | None = None  # default: chain with a draft, ngram without
+    mode: str | None = None  # default: the draft's first mode (chain; block for DFlash), ngram without
     num_draft_tokens: int = 4  # draft depth (chain length, deepest tree path)
     tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4
@@ -80,7 +80,7 @@ def resolve_mode(cfg: EvalConfig, has_draft: bool | None = None) -> str:
     mode = cfg.mode or ("chain" if has_draft else "ngram")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    if mode in ("chain", "tree") and not has_draft:
+    if mode in ("chain", "tree", "block") and not has_draft:
         raise ValueError(f"mode={mode} needs a trained draft (draft=<run_dir>/final); with draft=none use "
                          f"mode=ngram or mode=ar")
     return mode
@@ -120,7 +120,7 @@ def load_models(draft: str | None, target: str | None, gguf_file: str | None, de
     """The target (given, or named by the draft's config.json) and the drafter on top of its embedding,
     both in `dtype` (the drafter follows the target's)."""
     from drafthead.registry import load_draft, read_draft_config
-    from drafthead.target import load_target
+    from drafthead.target import lm_head_weight, load_target
 
     if draft:
         meta = read_draft_config(draft)
@@ -128,7 +128,8 @@ def load_models(draft: str | None, target: str | None, gguf_file: str | None, de
             target, gguf_file = meta["target"]["name_or_path"], gguf_file or meta["target"].get("gguf_file")
     tgt = load_target(target, gguf_file, dtype=dtype, device=device)
     weight = tgt.model.get_input_embeddings().weight
-    drafter = load_draft(draft, embed_weight=weight, device=device).to(weight.dtype) if draft else None
+    drafter = load_draft(draft, embed_weight=weight, device=device, head_weight=lm_head_weight(tgt.model)
+                         ).to(weight.dtype) if draft else None
     return tgt, drafter
 
 
@@ -158,6 +159,8 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
     if target is None:
         print(f"loading target {cfg.target or '(from the draft config)'} and draft {cfg.draft} on {device} ...")
         target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype)
+    if cfg.mode is None and drafter is not None:
+        mode = drafter.draft_modes[0]
     if generator is None:
         from drafthead.runtime import SpeculativeGenerator
         generator = SpeculativeGenerator(target, drafter, device=device)

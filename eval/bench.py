@@ -42,6 +42,9 @@ class BenchConfig:
     topk: int = 4  # tree
     ngram_n: int = 3
     prompt_lookup_num_tokens: int = 10  # HF prompt lookup
+    # block drafters: how many of the block's B-1 drafts to verify, one row each (null: 1, 2, 4, .., B-1).
+    # A verify of n tokens costs more than a step as n grows (the curve below), so the best n is measured.
+    block_drafts: list[int] | None = None
     verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
     verify_prefix: int = 256  # cached prefix length of the verify-cost curve
     verify_repeats: int = 5
@@ -66,6 +69,16 @@ def validate(cfg: BenchConfig) -> None:
         raise FileNotFoundError(f"draft={cfg.draft} is not a draft directory (no config.json)")
     if not cfg.draft and not cfg.target:
         raise ValueError("draft=none needs target=NAME_OR_PATH")
+
+
+def block_sizes(cfg: BenchConfig, slots: int) -> list[int]:
+    """Drafts verified per block, one bench row each: `block_drafts`, else 1, 2, 4, .. and all `slots`."""
+    if cfg.block_drafts:
+        bad = [n for n in cfg.block_drafts if not 1 <= n <= slots]
+        if bad:
+            raise ValueError(f"block_drafts {bad}: this draft's block has {slots} draft slots (1..{slots})")
+        return sorted(set(cfg.block_drafts))
+    return sorted({min(2 ** i, slots) for i in range(slots.bit_length() + 1)})
 
 
 def _sync(device: str) -> None:
@@ -202,12 +215,16 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     }
     chain = f"draft chain k={cfg.num_draft_tokens} (ours)"
     tree = f"draft tree depth={cfg.num_draft_tokens} topk={cfg.topk} nodes={cfg.tree_nodes} (ours)"
-    if drafter is not None:
-        methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base))
-        methods[chain + " + ngram"] = runtime_method(generator, SpecConfig(mode="chain", ngram=True, **base))
-        methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base))
-    else:
-        methods[chain] = methods[chain + " + ngram"] = methods[tree] = "skipped: draft=none"
+    modes = drafter.draft_modes if drafter is not None else ()
+    why = "skipped: draft=none" if drafter is None else f"skipped: a {drafter.family} draft drafts {', '.join(modes)}"
+    methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base)) if "chain" in modes else why
+    methods[chain + " + ngram"] = (runtime_method(generator, SpecConfig(mode="chain", ngram=True, **base))
+                                   if "chain" in modes else why)
+    methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base)) if "tree" in modes else why
+    if "block" in modes:
+        for n in block_sizes(cfg, drafter.config.num_draft_tokens):
+            methods[f"draft block k={n} (ours)"] = runtime_method(
+                generator, SpecConfig(mode="block", **{**base, "num_draft_tokens": n}))
 
     rows: dict[str, dict] = {}
     for name, run in methods.items():

@@ -18,7 +18,7 @@ from drafthead.export import ExportError, export
 from drafthead.family import resolve
 from drafthead.registry import FAMILIES, NOT_SAVED, draft_state_dict, load_draft, save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
-from drafthead.target import load_target
+from drafthead.target import lm_head_weight, load_target
 from trainer import engine as L
 from trainer.config import load_config
 from trainer.dist import Dist
@@ -28,7 +28,10 @@ ARCHS = ["llama", "qwen3"]
 # small enough for a tiny target (vocab ~320, 4 layers, hidden 64), in every family's own section
 SMALL = {"eagle3": ["drafter.eagle3.draft_vocab_size=128", "drafter.eagle3.num_draft_tokens=2",
                     "capture.layer_ids=[1,2,3]"],
-         "mtp": ["drafter.mtp.num_draft_tokens=2"]}
+         "mtp": ["drafter.mtp.num_draft_tokens=2"],
+         # token 2 never occurs in `samples` (ids from 3 up): the mask token
+         "dflash": ["drafter.dflash.mask_token_id=2", "drafter.dflash.block_size=4", "drafter.dflash.num_layers=2",
+                    "drafter.dflash.target_layer_ids=[0,2]"]}
 
 
 def samples(vocab: int, n: int = 4, length: int = 40, seed: int = 0) -> list[dict]:
@@ -62,7 +65,7 @@ def test_builds_with_the_declared_vocabulary_and_features(built):
     assert ds.drafter.family == fam.name and isinstance(ds.drafter, fam.model)
     assert (ds.d2t is not None) == fam.reduced_vocab
     assert ds.drafter.features in ("aux", "last")
-    assert set(ds.drafter.draft_modes) <= {"chain", "tree"} and "chain" in ds.drafter.draft_modes
+    assert ds.drafter.draft_modes and set(ds.drafter.draft_modes) <= {"chain", "tree", "block"}
     assert ds.drafter.check_target(target.config) == []
     assert all(0 <= i < target.num_layers for i in ds.drafter.capture_layer_ids())
     assert torch.equal(ds.drafter.embed_tokens.weight, target.model.get_input_embeddings().weight)
@@ -89,7 +92,8 @@ def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
 def test_save_load_is_bit_identical(built):
     ds, target, tmp = built["ds"], built["target"], built["tmp"]
     path = save_draft(ds.drafter, tmp / "final", target.info())
-    back = load_draft(path, embed_weight=target.model.get_input_embeddings().weight)
+    back = load_draft(path, embed_weight=target.model.get_input_embeddings().weight,
+                      head_weight=lm_head_weight(target.model))
     want, got = draft_state_dict(ds.drafter), draft_state_dict(back)
     assert want.keys() == got.keys()
     for k in want:

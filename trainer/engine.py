@@ -377,12 +377,15 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     was = model.training
     model.eval()
     correct = count = loss = None
+    blocks = torch.zeros(2, dtype=torch.float64)  # accepted prefix, blocks (families that draft blocks)
     nb = 0
     for batch in batches:
         out = model(**drafter_inputs(batch, head))
         correct = out["correct"] if correct is None else correct + out["correct"]
         count = out["count"] if count is None else count + out["count"]
         loss = out["loss"].detach() if loss is None else loss + out["loss"].detach()
+        if "accept_len" in out:
+            blocks += torch.tensor([float(out["accept_len"]), float(out["blocks"])], dtype=torch.float64)
         nb += 1
     model.train(was)
     if correct is None:
@@ -396,6 +399,9 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     res = {f"eval/acc_{i}": a for i, a in enumerate(acc)}
     res["eval/loss"] = float(all_reduce_sum(loss, d)) / (nb * d.world)
     res["eval/sim_accept_len"] = sim  # 1 (bonus token) + sum_k prod_{i<=k} acc_i
+    if blocks[1] > 0:  # measured per block: 1 (bonus) + the run of greedy-correct slots
+        blocks = all_reduce_sum(blocks, d)
+        res["eval/block_accept_len"] = 1.0 + float(blocks[0] / blocks[1].clamp(min=1))
     return res
 
 

@@ -1,4 +1,4 @@
-"""Speculative generation: draft (chain / EAGLE-2 tree / n-gram) -> one target verify forward -> accept.
+"""Speculative generation: draft (chain / EAGLE-2 tree / block / n-gram) -> one target verify forward -> accept.
 
 One round for a batch of requests (each at its own length):
   1. propose a token tree per request; node 0 is the root = last accepted token, not yet in the target cache
@@ -26,7 +26,8 @@ from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import probs, sample
 from drafthead.target import Target
 
-MODES = ("ar", "chain", "tree", "ngram")
+MODES = ("ar", "chain", "tree", "ngram", "block")
+DRAFTER_MODES = ("chain", "tree", "block")  # the modes that need a trained drafter
 EMA_ALPHA = 0.2  # weight of the newest round in the acceptance EMA (SGLang's adaptive default)
 NGRAM_STACK_FACTOR = 2  # a stacked n-gram chain may be this many times longer than the drafter's proposal
 # KV slots kept past the longest request. Attention spans the whole cache (batch invariance, see
@@ -37,8 +38,10 @@ CACHE_SLACK = 64
 
 @dataclass
 class SpecConfig:
-    mode: str = "chain"  # "ar" (no drafting: our own autoregressive loop) | "chain" | "tree" | "ngram"
-    num_draft_tokens: int = 4  # draft depth: drafts per round along one path (chain length, deepest tree path)
+    mode: str = "chain"  # "ar" (no drafting: our own autoregressive loop) | "chain" | "tree" | "ngram" | "block"
+    # draft depth: drafts per round along one path (chain length, deepest tree path; block: the first this
+    # many of the block's B-1 slots are verified)
+    num_draft_tokens: int = 4
     tree_nodes: int = 8  # tree: draft nodes verified per round (excl. the root; EAGLE-2 dynamic tree)
     topk: int = 4  # tree: children expanded per node
     temperature: float = 0.0
@@ -126,11 +129,14 @@ class SpeculativeGenerator:
     def check(self, prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig) -> None:
         if spec.mode not in MODES:
             raise ValueError(f"unknown spec mode {spec.mode!r} (choose from {', '.join(MODES)})")
-        if spec.mode in ("chain", "tree") and self.drafter is None:
+        if spec.mode in DRAFTER_MODES and self.drafter is None:
             raise ValueError(f"spec mode {spec.mode!r} needs a drafter (or use mode 'ngram' / 'ar')")
-        if spec.mode in ("chain", "tree") and spec.mode not in self.drafter.draft_modes:
+        if spec.mode in DRAFTER_MODES and spec.mode not in self.drafter.draft_modes:
             raise ValueError(f"spec mode {spec.mode!r}: this {self.drafter.family} draft drafts "
                              f"{', '.join(self.drafter.draft_modes)} only")
+        if spec.mode == "block" and spec.num_draft_tokens > self.drafter.config.num_draft_tokens:
+            raise ValueError(f"spec.num_draft_tokens={spec.num_draft_tokens}: a block of this draft has "
+                             f"{self.drafter.config.num_draft_tokens} draft slots")
         for name in ("num_draft_tokens", "tree_nodes", "topk", "batch_size", "ngram_n"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"spec.{name} must be >= 1, got {getattr(spec, name)}")
@@ -172,13 +178,13 @@ class _Session:
         self.t0 = time.perf_counter()
         self.dev = g.device
         B = len(reqs)
-        self.use_drafter = spec.mode in ("chain", "tree")
+        self.use_drafter = spec.mode in DRAFTER_MODES
         self.use_ngram = spec.mode == "ngram" or (self.use_drafter and spec.ngram)
         # longest drafter proposal along one path, verify nodes per round, n-gram proposal cap
         if spec.mode == "tree":
             self.max_len, self.max_nodes = spec.num_draft_tokens, self.tree_budget()
             self.ngram_cap = self.max_nodes  # the n-gram chain then costs what the tree would
-        elif spec.mode == "chain":
+        elif spec.mode in ("chain", "block"):
             self.max_len = self.max_nodes = spec.num_draft_tokens
             self.ngram_cap = NGRAM_STACK_FACTOR * spec.num_draft_tokens
         else:
@@ -320,6 +326,9 @@ class _Session:
             lengths = lengths * 0
         elif spec.mode == "chain":
             drafts, q = self.draft.chain(int(lengths.max()), spec.temperature, spec.top_p, self.gen)
+            prop = chain_proposal(self.roots, drafts, lengths, q)
+        elif spec.mode == "block":  # one draft forward proposes every slot at once
+            drafts, q = self.draft.block(self.roots, int(lengths.max()), spec.temperature, spec.top_p, self.gen)
             prop = chain_proposal(self.roots, drafts, lengths, q)
         else:
             prop = self.draft.tree(self.roots, spec.topk, int(lengths.max()), self.tree_budget(),

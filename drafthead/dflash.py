@@ -1,0 +1,475 @@
+"""DFlash block-diffusion drafter: a few Qwen3-style layers that propose a whole block in one forward.
+
+Math only (no DDP/DeepSpeed/checkpointing). Parameter names are z-lab's `DFlashDraftModel` names
+(`layers.{i}.self_attn.{q,k,v,o}_proj`, `q_norm`, `k_norm`, `mlp.*`, `norm`, `fc`, `hidden_norm`), so
+`to=dflash` is a plain save. The draft owns no embedding and no head: `embed_tokens` and `target_lm_head`
+are frozen copies of the target's, never saved (`registry.NOT_SAVED`) and taken back from the target on load.
+
+Conventions (pinned by tests):
+- `target_layer_ids` are z-lab's: the OUTPUT of these target decoder layers, i.e. HF
+  `hidden_states[i + 1]`. drafthead captures layer inputs, so `capture_layer_ids()` = ids + 1. Exports
+  convert: z-lab / SGLang (`dflash_config.target_layer_ids`) as stored, llama.cpp (`dflash.target_layers`,
+  the input of a layer) ids + 1.
+- Context: the target features of positions < p are fused once (`hidden_norm(fc(cat))`) and injected as
+  extra keys/values in every layer. A block at position p is [x_p, MASK x (B-1)] at positions p..p+B-1;
+  inside the block attention is bidirectional, and every block position sees the whole context.
+  Slot k (1..B-1) predicts the token AT position p+k (the target's distribution at p+k-1).
+- Training samples anchors p over loss-masked positions, one block each, blocks never overlap. A block
+  query sees context keys strictly before its anchor (the anchor's own feature does not exist yet at
+  inference) and all keys of its own block. Slot k's loss weight is exp(-(k-1)/gamma).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafthead.family import Family
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
+
+
+@dataclass
+class DflashOptions:
+    """The recipe section `drafter.dflash.*`."""
+
+    num_layers: int = 1  # draft decoder layers (z-lab ships 5 for Qwen3-8B)
+    block_size: int = 8  # B: the last verified token + B-1 mask slots, drafted in one forward
+    mask_token_id: int | None = None  # a row of the target's embedding that never occurs in the data (required)
+    target_layer_ids: list[int] | None = None  # outputs of these target layers (z-lab); null = z-lab's spacing
+    num_anchors: int = 512  # blocks per sequence and step, at most (non-overlapping)
+    loss_decay_gamma: float | None = None  # slot k weight exp(-(k-1)/gamma); null: 7 for B >= 16, else 4
+    labels: str = "soft"  # soft = the target's distribution (distillation); hard = the data token
+    intermediate_size: int | None = None  # null = the target's
+    init: str = "target"  # target = the target's last layers and final norm; random
+
+    def validate(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError("num_layers: must be >= 1")
+        if self.block_size < 2:
+            raise ValueError(f"block_size: {self.block_size} (must be >= 2: the root and at least one mask slot)")
+        if self.mask_token_id is None:
+            raise ValueError("mask_token_id: required (a token id of the target's vocabulary that never occurs in "
+                             "the training data; see docs/families.md)")
+        if self.num_anchors < 1:
+            raise ValueError("num_anchors: must be >= 1")
+        if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
+        if self.labels not in LABELS:
+            raise ValueError(f"labels: {self.labels!r} (choose from {', '.join(LABELS)})")
+        if self.init not in INITS:
+            raise ValueError(f"init: {self.init!r} (choose from {', '.join(INITS)})")
+
+
+LABELS = ("soft", "hard")
+INITS = ("target", "random")
+
+
+def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[int]:
+    """z-lab's spacing: the middle layer for a one-layer draft, else evenly from 1 to N-3."""
+    if num_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_layers - 1)) for i in range(num_layers)]
+
+
+@dataclass
+class DflashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    num_hidden_layers: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)  # OUTPUTS of these target layers (z-lab)
+    target_num_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    num_anchors: int = 512
+    loss_decay_gamma: float = 4.0
+    labels: str = "soft"
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens one forward proposes (the B-1 mask slots)."""
+        return self.block_size - 1
+
+    @classmethod
+    def from_target(cls, tcfg: Any, **overrides: Any) -> "DflashConfig":
+        """Layers sized like the target's (z-lab does the same for its Qwen3 drafts)."""
+        heads = tcfg.num_attention_heads
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        kw = dict(
+            hidden_size=tcfg.hidden_size,
+            intermediate_size=tcfg.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+            vocab_size=tcfg.vocab_size,
+            target_num_layers=tcfg.num_hidden_layers,
+            rms_norm_eps=float(tcfg.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))),
+            max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
+        )
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DflashAttention(nn.Module):
+    """Qwen3 attention (q/k RMSNorm per head) over [context keys; block keys]."""
+
+    def __init__(self, c: DflashConfig) -> None:
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.c.num_attention_heads, self.c.head_dim))
+        return apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        c = self.c
+        k = self.k_norm(self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim))
+        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim)
+        return apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)  # [B, kvh, T, D] x2
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """q [B, h, Q, D], k/v [B, kvh, S, D], mask bool [B, 1, Q, S] -> o_proj output [B, Q, H]."""
+        rep = self.c.num_attention_heads // self.c.num_key_value_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)  # [B, h, Q, D]
+        return self.o_proj(o.transpose(1, 2).flatten(2))
+
+
+class DflashLayer(nn.Module):
+    def __init__(self, c: DflashConfig) -> None:
+        super().__init__()
+        self.self_attn = DflashAttention(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [B, Q, H] block hidden; ctx_k/ctx_v [B, kvh, S, D] this layer's context keys/values (roped);
+        mask [B, 1, Q, S+Q] over (context, block)."""
+        attn = self.self_attn
+        h = self.input_layernorm(x)
+        q = attn.q(h, cos, sin)
+        k, v = attn.kv(h, cos, sin)
+        x = x + attn.attend(q, torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2), mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DflashDrafter(nn.Module):
+    family = "dflash"
+    features = "aux"  # the context entries read the fused target features
+    draft_modes = ("block",)
+
+    def __init__(self, c: DflashConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)  # the target's, frozen, not saved
+        self.target_lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)  # the target's, frozen, not saved
+        for p in (self.embed_tokens.weight, self.target_lm_head.weight):
+            p.requires_grad_(False)
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DflashLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    # ---- what the trainer / capture / runtime need to know ---------------------------------------
+    def capture_layer_ids(self) -> list[int]:
+        return [i + 1 for i in self.config.target_layer_ids]  # output of layer i = input of layer i+1
+
+    def check_target(self, tcfg: Any) -> list[str]:
+        c, problems = self.config, []
+        if c.hidden_size != tcfg.hidden_size:
+            problems.append(f"hidden size: draft has {c.hidden_size}, target has hidden_size={tcfg.hidden_size}")
+        if c.vocab_size != tcfg.vocab_size:
+            problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
+        n = tcfg.num_hidden_layers
+        bad = [i for i in c.target_layer_ids if not 0 <= i < n - 1]
+        if bad or not c.target_layer_ids:
+            problems.append(f"target layer ids {list(c.target_layer_ids)} (outputs of these layers) out of range "
+                            f"for a target with {n} decoder layers (0..{n - 2}: the last layer's output is not "
+                            f"captured)")
+        if not 0 <= c.mask_token_id < tcfg.vocab_size:
+            problems.append(f"mask_token_id {c.mask_token_id} is not a row of the target's embedding "
+                            f"(vocab_size={tcfg.vocab_size})")
+        return problems
+
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> "BlockRunner":
+        return BlockRunner(self, batch, capacity, device)
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """[.., M*H] captured target features -> [.., H] the context every layer reads."""
+        x = aux_hidden if torch.is_autocast_enabled(aux_hidden.device.type) else aux_hidden.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(x))
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)  # [B, 1, T, D] x2
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [B, kvh, T, D] of the fused context ctx [B, T, H] at positions [B, T]."""
+        cos, sin = self.rope(positions)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, block_ids: torch.Tensor, positions: torch.Tensor,
+                     ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> torch.Tensor:
+        """Run the layers on block tokens [B, Q] at positions [B, Q] against per-layer context K/V;
+        mask [B, 1, Q, S+Q]. Returns the normed output [B, Q, H] (what the target's head reads)."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # [B, Q, H]
+        cos, sin = self.rope(positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, k, v, cos, sin, mask)
+        return self.norm(x)
+
+    # ---- training --------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
+        """Decayed per-slot loss over sampled anchor blocks.
+
+        Args:
+            input_ids: [B, T] target token ids (right-padded).
+            aux_hidden: [B, T, M*H] target features (inputs of `capture_layer_ids()`).
+            teacher_probs: [B, T, V] fp32 target distribution over the full vocab at position j
+                (predicting x_{j+1}); rows j with loss_mask[j+1] are filled.
+            target_argmax: [B, T] target argmax at j (-1 where unknown): what acceptance is scored on.
+            loss_mask: [B, T] 1 on assistant tokens.
+            last_hidden: not read.
+        Returns `loss`, per slot `step_loss` / `correct` / `count` ([B-1] each), and `accept_len` / `blocks`:
+        the accepted prefix summed over blocks (greedy against the target argmax) and the block count.
+        """
+        c = self.config
+        Bk, dev = c.block_size, input_ids.device
+        B, T = input_ids.shape
+        if bool((input_ids == c.mask_token_id).any()):
+            raise ValueError(f"mask token id {c.mask_token_id} occurs in the training data: it must be a token the "
+                             f"data never holds (drafter.dflash.mask_token_id)")
+        gen = None if self.training else torch.Generator().manual_seed(0)  # held-out blocks: the same every eval
+        anchors, valid = sample_anchors(loss_mask, Bk, c.num_anchors, gen)  # [B, A] each
+        A = anchors.shape[1]
+        offs = torch.arange(Bk, device=dev)
+        pos = anchors[:, :, None] + offs  # [B, A, Bk] block positions
+        block_ids = torch.full((B, A, Bk), c.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, :, 0] = input_ids.gather(1, anchors)
+        # a block query sees context keys strictly before its anchor and every key of its own block
+        ctx_ok = torch.arange(T, device=dev)[None, None] < anchors[:, :, None]  # [B, A, T]
+        ctx_ok = ctx_ok & valid[:, :, None]
+        same = torch.eye(A, dtype=torch.bool, device=dev)  # [A, A]
+        mask = torch.cat([ctx_ok.repeat_interleave(Bk, dim=1),  # [B, A*Bk, T]
+                          same.repeat_interleave(Bk, 0).repeat_interleave(Bk, 1).expand(B, -1, -1)], dim=-1)
+        ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
+        out = self.block_hidden(block_ids.flatten(1), pos.flatten(1), ctx_kv, mask[:, None])  # [B, A*Bk, H]
+        out = out.view(B, A, Bk, -1)[:, :, 1:]  # [B, A, Bk-1, H] the mask slots
+
+        lab = pos[:, :, 1:]  # [B, A, Bk-1] position each slot predicts
+        inside = lab < T
+        lab = lab.clamp(max=T - 1)
+        ok = valid[:, :, None] & inside & loss_mask.gather(1, lab.flatten(1)).view_as(lab).bool()
+        tgt = target_argmax.gather(1, (lab - 1).flatten(1)).view_as(lab)  # [B, A, Bk-1] target argmax at lab
+        ok = ok & (tgt >= 0)
+        b_idx, a_idx, k_idx = ok.nonzero(as_tuple=True)  # M supervised slots
+        logits = self.target_lm_head(out[b_idx, a_idx, k_idx])  # [M, V] (loss in fp32)
+        rows = b_idx * T + lab[b_idx, a_idx, k_idx] - 1  # teacher row: the target at position lab-1
+        if c.labels == "soft":
+            teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, V]
+        else:
+            teach = F.one_hot(input_ids.flatten().index_select(0, rows + 1), c.vocab_size).float()
+        ce = soft_cross_entropy(logits, teach)  # [M]
+        w = torch.exp(-k_idx.float() / c.loss_decay_gamma)  # slot k_idx+1: exp(-(k-1)/gamma)
+        loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
+        K = Bk - 1
+        hit = logits.detach().argmax(-1) == tgt[b_idx, a_idx, k_idx]  # [M]
+        step_loss = torch.zeros(K, device=dev).index_add_(0, k_idx, ce.detach().float())
+        count = torch.zeros(K, device=dev).index_add_(0, k_idx, torch.ones_like(ce, dtype=torch.float32))
+        correct = torch.zeros(K, device=dev).index_add_(0, k_idx, hit.float())
+        # greedy block acceptance: the run of correct slots from slot 1 (an unsupervised slot ends it)
+        slot_hit = torch.zeros(B, A, K, dtype=torch.bool, device=dev)
+        slot_hit[b_idx, a_idx, k_idx] = hit
+        accepted = slot_hit.long().cumprod(-1).sum(-1)  # [B, A]
+        return {"loss": loss, "step_loss": step_loss / count.clamp(min=1), "correct": correct, "count": count,
+                "accept_len": (accepted * valid).sum().float(), "blocks": valid.sum().float()}
+
+
+def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int,
+                   gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` non-overlapping block starts per row among positions t with loss_mask[t] and
+    loss_mask[t+1] (the first slot has a supervised target). Returns (anchors [B, A] sorted, valid [B, A]).
+
+    Random order, then greedy: a candidate is kept when no kept anchor lies within block_size of it."""
+    B, T = loss_mask.shape
+    m = loss_mask.bool().cpu()
+    cand = torch.zeros(B, T, dtype=torch.bool)
+    cand[:, :-1] = m[:, :-1] & m[:, 1:]
+    picks: list[list[int]] = []
+    for b in range(B):
+        idx = cand[b].nonzero().flatten()
+        order = idx[torch.randperm(idx.numel(), generator=gen)]
+        taken = torch.zeros(T + 2 * block_size, dtype=torch.bool)  # anchor s marks index s + block_size
+        keep: list[int] = []
+        for t in order.tolist():
+            if len(keep) >= num_anchors:
+                break
+            if not taken[t + 1: t + 2 * block_size].any():  # no kept anchor in [t-B+1, t+B-1]
+                keep.append(t)
+                taken[t + block_size] = True
+        picks.append(sorted(keep))
+    A = max(1, max(len(p) for p in picks))
+    anchors = torch.zeros(B, A, dtype=torch.long)
+    valid = torch.zeros(B, A, dtype=torch.bool)
+    for b, p in enumerate(picks):
+        anchors[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        valid[b, : len(p)] = True
+    return anchors.to(loss_mask.device), valid.to(loss_mask.device)
+
+
+# ---- inference: block proposals over a static context cache ----------------------------------------
+class BlockRunner:
+    """Drafting state for a batch: per-layer context K/V (one entry per verified target position) and the
+    block proposal. Same interface as the chain runners (`extend`, `select`), plus `block`."""
+
+    def __init__(self, drafter: DflashDrafter, batch: int, capacity: int, device: torch.device) -> None:
+        c = drafter.config
+        self.drafter = drafter
+        dtype = next(drafter.parameters()).dtype
+        shape = (batch, c.num_key_value_heads, capacity, c.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # context entries per request
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.k = [k[rows] for k in self.k]
+        self.v = [v[rows] for v in self.v]
+        self.lens = self.lens[rows]
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append context entries: feats [B, T, M*H] = target features of the next T positions (counts[b]
+        valid). `tokens` are not read: a context entry is the target's feature alone."""
+        B, T = feats.shape[:2]
+        slots = self.lens[:, None] + torch.arange(T, device=feats.device)  # [B, T]; padding lands past the end
+        S = self.k[0].shape[2]
+        if int((self.lens + counts).max()) > S:
+            raise ValueError(f"draft context overflow: {int((self.lens + counts).max())} entries > capacity {S}")
+        slots = slots.clamp(max=S - 1)
+        rows = torch.arange(B, device=feats.device)[:, None]
+        fill = torch.arange(T, device=feats.device)[None] < counts[:, None]  # [B, T]
+        for (k, v), ck, cv in zip(self.drafter.context_kv(self.drafter.fuse(feats), slots), self.k, self.v):
+            # [B, kvh, T, D] -> rows of the cache; padded entries are not written
+            kk, vv = k.transpose(1, 2), v.transpose(1, 2)  # [B, T, kvh, D]
+            b_i, t_i = fill.nonzero(as_tuple=True)
+            ck[b_i, :, slots[b_i, t_i]] = kk[b_i, t_i].to(ck.dtype)
+            cv[b_i, :, slots[b_i, t_i]] = vv[b_i, t_i].to(cv.dtype)
+        self.lens = self.lens + counts
+
+    @torch.inference_mode()
+    def block_logits(self, roots: torch.Tensor) -> torch.Tensor:
+        """One forward over [root, MASK x (B-1)] per request at positions lens..lens+B-1 -> slot logits
+        [B, B-1, V] (slot k predicts the token at lens+k)."""
+        c = self.drafter.config
+        B, Bk, dev = roots.shape[0], c.block_size, roots.device
+        ids = torch.full((B, Bk), c.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = roots
+        pos = self.lens[:, None] + torch.arange(Bk, device=dev)  # [B, Bk]
+        S = int(self.lens.max())
+        ctx = (torch.arange(S, device=dev)[None] < self.lens[:, None])[:, None].expand(B, Bk, S)
+        mask = torch.cat([ctx, torch.ones(B, Bk, Bk, dtype=torch.bool, device=dev)], -1)[:, None]
+        kv = [(k[:, :, :S], v[:, :, :S]) for k, v in zip(self.k, self.v)]
+        out = self.drafter.block_hidden(ids, pos, kv, mask)  # [B, Bk, H]
+        return self.drafter.target_lm_head(out[:, 1:])  # [B, Bk-1, V]
+
+    @torch.inference_mode()
+    def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first k (<= B-1) slots of one block forward. Greedy: argmax per slot; sampled: one draw per
+        slot from its own distribution (slots are drafted independently, so q of slot j is the slot's
+        distribution whatever was drawn before it, which is what rejection sampling needs).
+        Returns (drafts [B, k] target ids, q [B, k, V] | None)."""
+        from drafthead.runtime.sampling import probs, sample
+
+        logits = self.block_logits(roots)[:, :k]  # [B, k, V]
+        if temperature == 0:
+            return logits.argmax(-1), None
+        q = probs(logits, temperature, top_p)  # [B, k, V]
+        B = roots.shape[0]
+        u = torch.rand(B, k, generator=gen, device=roots.device)
+        drafts = torch.stack([sample(q[:, j], u[:, j]) for j in range(k)], dim=1)
+        return drafts, q
+
+
+# ---- the family record ------------------------------------------------------------------------------
+def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
+          ) -> DflashConfig:
+    """`capture.layer_ids` (layer inputs, drafthead's capture convention) wins over the options' z-lab ids."""
+    n = tcfg.num_hidden_layers
+    if layer_ids:
+        ids = [i - 1 for i in layer_ids]
+    else:
+        ids = list(options.target_layer_ids or default_target_layer_ids(n, options.num_layers))
+    gamma = options.loss_decay_gamma or (7.0 if options.block_size >= 16 else 4.0)
+    c = DflashConfig.from_target(tcfg, num_hidden_layers=options.num_layers, block_size=options.block_size,
+                                 mask_token_id=options.mask_token_id, target_layer_ids=ids,
+                                 intermediate_size=options.intermediate_size, num_anchors=options.num_anchors,
+                                 loss_decay_gamma=gamma, labels=options.labels)
+    if not 0 <= c.mask_token_id < tcfg.vocab_size:
+        raise ValueError(f"drafter.dflash.mask_token_id: {c.mask_token_id} is not a row of the target's embedding "
+                         f"(vocab_size={tcfg.vocab_size})")
+    bad = [i for i in ids if not 0 <= i < n - 1]
+    if bad:
+        raise ValueError(f"drafter.dflash.target_layer_ids: {bad} out of range (outputs of layers 0..{n - 2} of "
+                         f"the target's {n})")
+    return c
+
+
+def init(drafter: DflashDrafter, target: Any, options: DflashOptions) -> str:
+    """The target's embedding and head (frozen) always; with `init: target` also its last decoder layers
+    (projections, MLP, norms; q/k norms start at one) and final norm."""
+    from drafthead.target import decoder_layers, final_norm_weight, lm_head_weight
+
+    with torch.no_grad():
+        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+        drafter.target_lm_head.weight.copy_(lm_head_weight(target.model))
+        if options.init == "random":
+            return "random layers"
+        src = list(decoder_layers(target.model))[-len(drafter.layers):]
+        for mine, theirs in zip(drafter.layers, src):
+            theirs_sd = theirs.state_dict()
+            for name, p in mine.state_dict().items():
+                if name in theirs_sd and theirs_sd[name].shape == p.shape:
+                    p.copy_(theirs_sd[name])
+        drafter.norm.weight.copy_(final_norm_weight(target.model))
+    return f"the target's last {len(drafter.layers)} layer(s) and final norm"
+
+
+def describe(options: DflashOptions, config: DflashConfig) -> str:
+    return (f"{config.num_hidden_layers} layer(s), block {config.block_size}, features of layers "
+            f"{config.target_layer_ids} (outputs), mask token {config.mask_token_id}")
+
+
+FAMILY = Family(
+    name="dflash", options=DflashOptions, config=DflashConfig, model=DflashDrafter, build=build, init=init,
+    reduced_vocab=False, describe=describe,
+    exporters={"dflash": "drafthead.export.dflash:to_dflash", "gguf": "drafthead.export.dflash:to_gguf"},
+    readers={"dflash": "drafthead.export.dflash:read_back", "gguf": "drafthead.export.dflash:read_back_gguf"},
+)

@@ -1,0 +1,224 @@
+"""DFlash exports: `to=dflash` (z-lab's HF `DFlashDraftModel` directory: what the `dflash` package, SGLang
+and vLLM load) and `to=gguf` (`general.architecture = dflash`, what llama.cpp's `--spec-type draft-dflash`
+loads).
+
+Layer ids: drafthead stores z-lab's `target_layer_ids` (the OUTPUT of target layer i = HF
+`hidden_states[i + 1]`). `to=dflash` writes them as they are (`dflash_config.target_layer_ids`); llama.cpp
+stores the layer whose INPUT it extracts (`dflash.target_layers`, its converter writes ids + 1:
+conversion/qwen.py `DFlashModel.set_gguf_parameters`), so `to=gguf` writes ids + 1 and reads back - 1.
+
+GGUF names and keys, read from the llama.cpp tree vendored in llama-cpp-python 0.3.36
+(`src/models/dflash.cpp` `load_arch_hparams` / `load_arch_tensors`, gguf-py `constants.py`): `fc.weight`
+{M*H, H}, `enc.output_norm` (hidden_norm), per layer `blk.i.attn_norm`, `attn_q/k/v`, `attn_output`,
+`attn_q_norm`, `attn_k_norm`, `ffn_norm`, `ffn_gate/up/down`, then `output_norm`; no `token_embd` or
+`output` (the target's are used); keys `dflash.block_size`, `dflash.target_layers`,
+`tokenizer.ggml.mask_token_id` and the target's tokenizer. Qwen3 layers rope NeoX-style (rotate-half),
+as HF stores them, so q/k rows are written unpermuted.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from drafthead.dflash import DflashConfig
+from drafthead.export.common import (ExportError, TargetInfo, cast_state, check_gguf_out, default_mode,
+                                     resolve_target, write_hf_dir)
+from drafthead.export.gguf import FILE_TYPES, OUTTYPES, _encode, copy_tokenizer
+from drafthead.registry import LoadedDraft
+
+ARCH = "dflash"
+LAYER_NAMES = {  # ours (after `layers.{i}.`) -> llama.cpp (after `blk.{i}.`)
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight"}
+
+
+def check_target(cfg: DflashConfig, t: TargetInfo) -> None:
+    if t.vocab_size != cfg.vocab_size:
+        raise ExportError(f"target vocab size {t.vocab_size} ({t.source}) does not match the draft's {cfg.vocab_size}: "
+                          f"the draft was trained for another target")
+    if t.hidden_size != cfg.hidden_size:
+        raise ExportError(f"target hidden size {t.hidden_size} ({t.source}) does not match the draft's {cfg.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_hidden_layers - 1]
+    if bad:
+        raise ExportError(f"target layer ids {bad} out of range for a target with {t.num_hidden_layers} layers")
+    if not 0 <= cfg.mask_token_id < t.vocab_size:
+        raise ExportError(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary ({t.vocab_size})")
+
+
+def hf_config(cfg: DflashConfig) -> dict:
+    """z-lab's `DFlashDraftModel` config: Qwen3 layer fields + `block_size` + `dflash_config`."""
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          "block_size": cfg.block_size},
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_target_layers": cfg.target_num_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+    }
+
+
+def to_dflash(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
+              outtype: str | None = None) -> Path:
+    """The HF `DFlashDraftModel` directory (config.json + model.safetensors, our tensor names are z-lab's)."""
+    check_target(draft.config, resolve_target(target, draft.meta))
+    return write_hf_dir(out, cast_state(draft.state, outtype), hf_config(draft.config))
+
+
+def config_from_hf(config: dict) -> DflashConfig:
+    """A `DFlashDraftModel` config.json (ours or z-lab's) -> our config."""
+    dc = config.get("dflash_config", {})
+    rope = config.get("rope_parameters") or {}
+    try:
+        return DflashConfig(
+            hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+            num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            vocab_size=config["vocab_size"], num_hidden_layers=config["num_hidden_layers"],
+            block_size=int(dc.get("block_size", config.get("block_size", 16))), mask_token_id=int(dc["mask_token_id"]),
+            target_layer_ids=list(dc["target_layer_ids"]), target_num_layers=int(config.get("num_target_layers", 0)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)))
+    except KeyError as e:
+        raise ExportError(f"not a DFlash draft config: no {e.args[0]}") from None
+
+
+def read_back(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A `to=dflash` directory -> our tensor names (they are z-lab's)."""
+    path = Path(path)
+    config_from_hf(json.loads((path / "config.json").read_text()))
+    return dict(load_file(str(path / "model.safetensors")))
+
+
+def gguf_tensors(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    out = {theirs: state[ours].float() for ours, theirs in TOP_NAMES.items()}
+    for i in range(num_layers):
+        for ours, theirs in LAYER_NAMES.items():
+            out[f"blk.{i}.{theirs}"] = state[f"layers.{i}.{ours}"].float()
+    return out
+
+
+def write_gguf(draft: LoadedDraft, target: TargetInfo, path: Path, outtype: str) -> None:
+    import gguf
+
+    cfg: DflashConfig = draft.config
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_type("model")
+    w.add_name(f"{Path(target.name_or_path).name} DFlash draft (drafthead)")
+    w.add_file_type(FILE_TYPES[outtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
+    w.add_key_value(f"{ARCH}.target_layers", [i + 1 for i in cfg.target_layer_ids], gguf.GGUFValueType.ARRAY,
+                    sub_type=gguf.GGUFValueType.INT32)  # llama.cpp extracts layer INPUTS: ours + 1
+    copy_tokenizer(target.gguf_path, w)
+    w.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
+    for name, t in gguf_tensors(draft.state, cfg.num_hidden_layers).items():
+        arr, raw = _encode(name, t, outtype)
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def to_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
+            outtype: str | None = None) -> Path:
+    """One GGUF file for llama.cpp's `-md draft.gguf --spec-type draft-dflash` (tokenizer from the target GGUF)."""
+    outtype = outtype or "f32"
+    out = check_gguf_out(out, outtype, OUTTYPES)
+    tinfo = resolve_target(target, draft.meta)
+    check_target(draft.config, tinfo)
+    if tinfo.gguf_path is None:
+        raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target {tinfo.name_or_path!r} "
+                          f"({tinfo.source}) is not a GGUF file: pass target=PATH.gguf")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+    os.close(fd)
+    try:
+        write_gguf(draft, tinfo, Path(tmp), outtype)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        default_mode(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def read_back_gguf(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """A DFlash GGUF -> our tensor names (quantized types dequantized to fp32)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    arch = r.fields["general.architecture"].contents()
+    if arch != ARCH:
+        raise ExportError(f"{path}: general.architecture is {arch!r}, not {ARCH!r}")
+    q = gguf.GGMLQuantizationType
+    theirs = {}
+    for t in r.tensors:
+        shape = tuple(int(x) for x in reversed(t.shape))
+        a = np.asarray(t.data) if t.tensor_type in (q.F32, q.F16) else gguf.quants.dequantize(np.asarray(t.data),
+                                                                                               t.tensor_type)
+        theirs[t.name] = torch.from_numpy(a.reshape(shape).astype(np.float32))
+    n = int(r.fields[f"{ARCH}.block_count"].contents())
+    out = {ours: theirs[name] for ours, name in TOP_NAMES.items()}
+    for i in range(n):
+        for ours, name in LAYER_NAMES.items():
+            out[f"layers.{i}.{ours}"] = theirs[f"blk.{i}.{name}"]
+    return out
+
+
+def gguf_target_layer_ids(path: str | os.PathLike) -> list[int]:
+    """Our (z-lab) target layer ids from a DFlash GGUF's `dflash.target_layers` (llama.cpp's, - 1)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    return [int(i) - 1 for i in r.fields[f"{ARCH}.target_layers"].contents()]
