@@ -20,7 +20,6 @@ Conventions (pinned by tests):
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -217,6 +216,15 @@ class DflashDrafter(nn.Module):
                             f"(vocab_size={tcfg.vocab_size})")
         return problems
 
+    def check_data(self, samples: list[dict]) -> list[str]:
+        """The mask token must never occur in the data (a block could not tell a mask slot from that token)."""
+        m = self.config.mask_token_id
+        hits = [s.get("id", i) for i, s in enumerate(samples) if m in s["input_ids"]]
+        if hits:
+            return [f"drafter.dflash.mask_token_id={m} occurs in {len(hits)} training sample(s) (first: {hits[0]}): "
+                    f"choose a token id the data never holds"]
+        return []
+
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> "BlockRunner":
         return BlockRunner(self, batch, capacity, device)
 
@@ -269,21 +277,9 @@ class DflashDrafter(nn.Module):
         gen = None if self.training else torch.Generator().manual_seed(0)  # held-out blocks: the same every eval
         anchors, valid = sample_anchors(loss_mask, Bk, c.num_anchors, gen)  # [B, A] each
         A = anchors.shape[1]
-        offs = torch.arange(Bk, device=dev)
-        pos = anchors[:, :, None] + offs  # [B, A, Bk] block positions
-        block_ids = torch.full((B, A, Bk), c.mask_token_id, dtype=torch.long, device=dev)
-        block_ids[:, :, 0] = input_ids.gather(1, anchors)
-        # a block query sees context keys strictly before its anchor and every key of its own block
-        ctx_ok = torch.arange(T, device=dev)[None, None] < anchors[:, :, None]  # [B, A, T]
-        ctx_ok = ctx_ok & valid[:, :, None]
-        same = torch.eye(A, dtype=torch.bool, device=dev)  # [A, A]
-        mask = torch.cat([ctx_ok.repeat_interleave(Bk, dim=1),  # [B, A*Bk, T]
-                          same.repeat_interleave(Bk, 0).repeat_interleave(Bk, 1).expand(B, -1, -1)], dim=-1)
-        ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
-        out = self.block_hidden(block_ids.flatten(1), pos.flatten(1), ctx_kv, mask[:, None])  # [B, A*Bk, H]
-        out = out.view(B, A, Bk, -1)[:, :, 1:]  # [B, A, Bk-1, H] the mask slots
+        out = self.anchor_blocks(input_ids, aux_hidden, anchors, valid)[:, :, 1:]  # [B, A, Bk-1, H] the mask slots
 
-        lab = pos[:, :, 1:]  # [B, A, Bk-1] position each slot predicts
+        lab = anchors[:, :, None] + torch.arange(1, Bk, device=dev)  # [B, A, Bk-1] position each slot predicts
         inside = lab < T
         lab = lab.clamp(max=T - 1)
         ok = valid[:, :, None] & inside & loss_mask.gather(1, lab.flatten(1)).view_as(lab).bool()
@@ -310,6 +306,28 @@ class DflashDrafter(nn.Module):
         accepted = slot_hit.long().cumprod(-1).sum(-1)  # [B, A]
         return {"loss": loss, "step_loss": step_loss / count.clamp(min=1), "correct": correct, "count": count,
                 "accept_len": (accepted * valid).sum().float(), "blocks": valid.sum().float()}
+
+
+    def anchor_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+        """Every anchor's block in one forward: the normed output [B, A, Bk, H] of blocks
+        [x_a, MASK x (Bk-1)] at positions a..a+Bk-1, each seeing the context before a and its own block."""
+        c = self.config
+        Bk, dev = c.block_size, input_ids.device
+        B, T = input_ids.shape
+        A = anchors.shape[1]
+        pos = anchors[:, :, None] + torch.arange(Bk, device=dev)  # [B, A, Bk] block positions
+        block_ids = torch.full((B, A, Bk), c.mask_token_id, dtype=torch.long, device=dev)
+        block_ids[:, :, 0] = input_ids.gather(1, anchors)
+        # a block query sees context keys strictly before its anchor and every key of its own block
+        ctx_ok = torch.arange(T, device=dev)[None, None] < anchors[:, :, None]  # [B, A, T]
+        ctx_ok = ctx_ok & valid[:, :, None]
+        same = torch.eye(A, dtype=torch.bool, device=dev)  # [A, A]
+        mask = torch.cat([ctx_ok.repeat_interleave(Bk, dim=1),  # [B, A*Bk, T]
+                          same.repeat_interleave(Bk, 0).repeat_interleave(Bk, 1).expand(B, -1, -1)], dim=-1)
+        ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
+        out = self.block_hidden(block_ids.flatten(1), pos.flatten(1), ctx_kv, mask[:, None])  # [B, A*Bk, H]
+        return out.view(B, A, Bk, -1)
 
 
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int,
@@ -373,12 +391,10 @@ class BlockRunner:
         if int((self.lens + counts).max()) > S:
             raise ValueError(f"draft context overflow: {int((self.lens + counts).max())} entries > capacity {S}")
         slots = slots.clamp(max=S - 1)
-        rows = torch.arange(B, device=feats.device)[:, None]
         fill = torch.arange(T, device=feats.device)[None] < counts[:, None]  # [B, T]
+        b_i, t_i = fill.nonzero(as_tuple=True)  # padded entries are not written
         for (k, v), ck, cv in zip(self.drafter.context_kv(self.drafter.fuse(feats), slots), self.k, self.v):
-            # [B, kvh, T, D] -> rows of the cache; padded entries are not written
             kk, vv = k.transpose(1, 2), v.transpose(1, 2)  # [B, T, kvh, D]
-            b_i, t_i = fill.nonzero(as_tuple=True)
             ck[b_i, :, slots[b_i, t_i]] = kk[b_i, t_i].to(ck.dtype)
             cv[b_i, :, slots[b_i, t_i]] = vv[b_i, t_i].to(cv.dtype)
         self.lens = self.lens + counts
@@ -470,6 +486,8 @@ def describe(options: DflashOptions, config: DflashConfig) -> str:
 FAMILY = Family(
     name="dflash", options=DflashOptions, config=DflashConfig, model=DflashDrafter, build=build, init=init,
     reduced_vocab=False, describe=describe,
-    exporters={"dflash": "drafthead.export.dflash:to_dflash", "gguf": "drafthead.export.dflash:to_gguf"},
-    readers={"dflash": "drafthead.export.dflash:read_back", "gguf": "drafthead.export.dflash:read_back_gguf"},
+    exporters={"dflash": "drafthead.export.dflash:to_dflash", "speculators": "drafthead.export.dflash:to_speculators",
+               "gguf": "drafthead.export.dflash:to_gguf"},
+    readers={"dflash": "drafthead.export.dflash:read_back", "speculators": "drafthead.export.dflash:read_back",
+             "gguf": "drafthead.export.dflash:read_back_gguf"},
 )

@@ -56,7 +56,10 @@ class Drafter(Protocol):
         reads; `draft_modes` the proposal shapes it supports ("chain", "tree"); `check_target(tcfg)` the
         mismatches with a target, as messages; `draft_state(batch, capacity, device)` a fresh drafting state
         (extend / chain / tree / select, see drafthead/runtime/draft.py).
-    Saving: every tensor of `state_dict()` except `embed_tokens.weight` (the target's, taken back on load).
+    Optional: `check_data(samples) -> list[str]` problems with the training samples (dicts with input_ids),
+        checked when the draft is built (e.g. a DFlash mask token that occurs in the data).
+    Saving: every tensor of `state_dict()` except `registry.NOT_SAVED` (the target's embedding, and head where a
+        family reads through it: taken back from the target on load).
     """
 
     family: str

@@ -102,6 +102,9 @@ def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch
         with torch.no_grad():
             drafter.d2t.copy_(d2t)
             drafter.t2d.copy_(t2d)
+    problems = drafter.check_data(train) if hasattr(drafter, "check_data") else []
+    if problems:
+        raise ValueError("; ".join(problems))
     init = fam.init(drafter, target, options)
     drafter.to(device).train()
     head = TargetHead(lm_head_weight(target.model), None if d2t is None else draft_ids(d2t)).to(device)

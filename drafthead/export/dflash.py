@@ -1,11 +1,12 @@
 """DFlash exports: `to=dflash` (z-lab's HF `DFlashDraftModel` directory: what the `dflash` package, SGLang
-and vLLM load) and `to=gguf` (`general.architecture = dflash`, what llama.cpp's `--spec-type draft-dflash`
-loads).
+and vLLM load), `to=speculators` (vllm-project/speculators' `DFlashSpeculatorConfig` layout) and `to=gguf`
+(`general.architecture = dflash`, what llama.cpp's `--spec-type draft-dflash` loads).
 
 Layer ids: drafthead stores z-lab's `target_layer_ids` (the OUTPUT of target layer i = HF
 `hidden_states[i + 1]`). `to=dflash` writes them as they are (`dflash_config.target_layer_ids`); llama.cpp
 stores the layer whose INPUT it extracts (`dflash.target_layers`, its converter writes ids + 1:
-conversion/qwen.py `DFlashModel.set_gguf_parameters`), so `to=gguf` writes ids + 1 and reads back - 1.
+conversion/qwen.py `DFlashModel.set_gguf_parameters`), so `to=gguf` writes ids + 1 and reads back - 1;
+speculators' `aux_hidden_state_layer_ids` are vLLM's capture ids (HF `hidden_states[i]`): ids + 1 too.
 
 GGUF names and keys, read from the llama.cpp tree vendored in llama-cpp-python 0.3.36
 (`src/models/dflash.cpp` `load_arch_hparams` / `load_arch_tensors`, gguf-py `constants.py`): `fc.weight`
@@ -119,10 +120,70 @@ def config_from_hf(config: dict) -> DflashConfig:
 
 
 def read_back(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """A `to=dflash` directory -> our tensor names (they are z-lab's)."""
+    """A `to=dflash` or `to=speculators` directory -> our tensor names (they are z-lab's)."""
+    return read_exported(path)[1]
+
+
+def read_exported(path: str | os.PathLike) -> tuple[DflashConfig, dict[str, torch.Tensor]]:
+    """(our config, our tensors) of a `to=dflash` or `to=speculators` directory."""
     path = Path(path)
-    config_from_hf(json.loads((path / "config.json").read_text()))
-    return dict(load_file(str(path / "model.safetensors")))
+    config = json.loads((path / "config.json").read_text())
+    cfg = config_from_speculators(config) if "speculators_model_type" in config else config_from_hf(config)
+    return cfg, dict(load_file(str(path / "model.safetensors")))
+
+
+def speculators_config(cfg: DflashConfig, target: TargetInfo, dtype: str, verifier: str | None) -> dict:
+    """vllm-project/speculators `DFlashSpeculatorConfig` (speculators_model_type "dflash"): the draft layers'
+    Qwen3 fields under `transformer_layer_config`, `aux_hidden_state_layer_ids` in vLLM's capture convention
+    (HF `hidden_states[i]`, the input of layer i: ours + 1), full vocabulary (no lm_head stored: it is the
+    verifier's), slot 0 = the bonus token (`sample_from_anchor` false: B-1 drafts per block)."""
+    from drafthead.export.speculators import SPECULATORS_VERSION, VERIFIER_IDS
+
+    layer = {k: v for k, v in hf_config(cfg).items() if k not in ("architectures", "auto_map", "dflash_config",
+                                                                  "block_size")}
+    return {
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": {**layer, "torch_dtype": dtype},
+        "draft_vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": cfg.hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier or VERIFIER_IDS.get(target.name_or_path, target.name_or_path),
+                         "architectures": list(target.architectures)},
+        },
+        "torch_dtype": dtype,
+        "drafthead": {"format": "speculators", "family": "dflash", "draft": cfg.to_dict()},
+    }
+
+
+def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
+                   outtype: str | None = None, verifier: str | None = None) -> Path:
+    """The speculators DFlash checkpoint (`vllm serve DIR`): config.json + model.safetensors with z-lab's names."""
+    from drafthead.export.common import dtype_name
+
+    tinfo = resolve_target(target, draft.meta)
+    check_target(draft.config, tinfo)
+    state = cast_state(draft.state, outtype)
+    return write_hf_dir(out, state, speculators_config(draft.config, tinfo, dtype_name(state), verifier))
+
+
+def config_from_speculators(config: dict) -> DflashConfig:
+    if config.get("speculators_model_type") != "dflash":
+        raise ExportError(f"not a speculators DFlash checkpoint: speculators_model_type "
+                          f"{config.get('speculators_model_type')!r}")
+    layer = dict(config["transformer_layer_config"])
+    ids = [i - 1 for i in config["aux_hidden_state_layer_ids"]]  # vLLM capture ids -> ours
+    return config_from_hf({**layer, "dflash_config": {"mask_token_id": config["mask_token_id"],
+                                                      "target_layer_ids": ids, "block_size": config["block_size"]}})
 
 
 def gguf_tensors(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

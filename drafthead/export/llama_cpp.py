@@ -68,6 +68,7 @@ class Run:
     decode_tok_s: float | None = None  # llama.cpp's own "decoded N tokens ... speed"
     n_decoded: int = 0
     decode_s: float | None = None
+    accept_by_pos: list[float] | None = None  # share of verify rounds that accepted draft position i (-lv 4)
 
     @property
     def accept_rate(self) -> float | None:
@@ -109,11 +110,13 @@ def run_target(bins: Path, model: Path, prompt: str, n_predict: int, threads: in
 
 
 def run_speculative(bins: Path, target: Path, draft: Path, prompt: str, n_predict: int, n_draft: int = 3,
-                    threads: int = 2, timeout: float = 600, verbose: bool = False, poll: int | None = None) -> Run:
-    """llama-speculative-simple with our EAGLE3 draft; returns text and llama.cpp's own counters.
-    `verbose` keeps the model-loading log (-lv 4), e.g. `load_arch_hparams: EAGLE3 extract_layers = [..]`."""
+                    threads: int = 2, timeout: float = 600, verbose: bool = False, poll: int | None = None,
+                    spec_type: str = "draft-eagle3") -> Run:
+    """llama-speculative-simple with our draft (`spec_type` draft-eagle3 | draft-dflash | draft-simple);
+    returns text and llama.cpp's own counters. `verbose` keeps the model-loading log and the per-position
+    statistics (-lv 4), e.g. `load_arch_hparams: EAGLE3 extract_layers = [..]`."""
     res = _run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(draft),
-                "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_draft), "-p", prompt,
+                "--spec-type", spec_type, "--spec-draft-n-max", str(n_draft), "-p", prompt,
                 "-n", str(n_predict), "-t", str(threads), "-td", str(threads), *COMMON, *_poll(poll),
                 *(["-lv", "4"] if verbose else [])], timeout)
     # stdout: "\n\n" + prompt pieces + generated pieces + "\n\n" + "\n\n"
@@ -129,6 +132,9 @@ def run_speculative(bins: Path, target: Path, draft: Path, prompt: str, n_predic
 
     run = Run(text=text, log=log, n_drafted=grab(r"n_drafted\s*=\s*(\d+)") or 0,
               n_accept=grab(r"n_accept\s*=\s*(\d+)") or 0)
+    m = re.search(r"#acc rate/pos = \(([\d., ]+)\)", log)  # with -lv 4: share of rounds accepting position i
+    if m:
+        run.accept_by_pos = [float(x) for x in m.group(1).split(",")]
     m = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", log)
     if m:
         run.n_decoded, run.decode_s, run.decode_tok_s = int(m.group(1)), float(m.group(2)), float(m.group(3))

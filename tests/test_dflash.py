@@ -1,0 +1,229 @@
+"""DFlash: the block drafter against z-lab's reference model code (PyPI `dflash==0.1.0`), its training
+mask against its inference path, the layer-id conventions of each engine, anchors, the mask-token check,
+and sampled block drafting staying lossless."""
+from __future__ import annotations
+
+import json
+import sys
+import zipfile
+from dataclasses import replace
+
+import pytest
+import torch
+
+from drafthead.assets import cache_dir, pip_download
+from drafthead.dflash import DflashDrafter, DflashOptions, build, sample_anchors
+from drafthead.export import export
+from drafthead.export.dflash import gguf_target_layer_ids, read_back_gguf, read_exported
+from drafthead.registry import save_draft
+from drafthead.runtime import SpecConfig, SpeculativeGenerator
+from drafthead.target import capture, lm_head_weight, load_target
+
+REFERENCE = ("dflash", "0.1.0")  # z-lab's reference model code; only dflash/model.py is imported
+
+
+def reference_module():
+    """`dflash.model` from the PyPI wheel, unpacked into the asset cache (never pip-installed: its CLI
+    dependencies are not ours)."""
+    name, version = REFERENCE
+    root = cache_dir() / "assets" / f"{name}-{version}"
+    if not (root / "dflash" / "model.py").is_file():
+        wheel = pip_download(name, version, cache_dir() / "pypi")
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(root)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import dflash.model
+
+    return dflash.model
+
+
+def make_drafter(target, block_size: int = 4, num_layers: int = 2, ids=(0, 2), seed: int = 0) -> DflashDrafter:
+    opts = DflashOptions(num_layers=num_layers, block_size=block_size, mask_token_id=2, target_layer_ids=list(ids))
+    torch.manual_seed(seed)
+    d = DflashDrafter(build(target.config, opts, None, None))
+    with torch.no_grad():
+        for p in d.parameters():  # random, not the all-ones norms: every weight matters in the comparison
+            p.add_(0.05 * torch.randn_like(p))
+        d.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+        d.target_lm_head.weight.copy_(lm_head_weight(target.model))
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_qwen3_dir):
+    return load_target(str(tiny_qwen3_dir), dtype="float32")
+
+
+def test_reference_dflash_loads_our_export_and_gives_the_same_logits(qwen3, tiny_qwen3_dir, tmp_path):
+    """z-lab's `DFlashDraftModel.from_pretrained(our to=dflash export)` on the same context features and
+    block: its draft logits equal ours (fp32, max abs diff < 1e-4) and the argmax is identical. The
+    features come from the reference's own `extract_context_feature` over the target's HF hidden states,
+    and equal what our capture of `capture_layer_ids()` returns (the layer-id convention)."""
+    ref = reference_module()
+    drafter = make_drafter(qwen3, block_size=4)
+    src = save_draft(drafter, tmp_path / "final", {**qwen3.info(), "name_or_path": str(tiny_qwen3_dir)})
+    out = export(src, "dflash", tmp_path / "zlab")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 2] and cfg["block_size"] == 4
+    theirs = ref.DFlashDraftModel.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    assert theirs.target_layer_ids == [0, 2] and theirs.mask_token_id == 2 and theirs.block_size == 4
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, qwen3.config.vocab_size, (2, 10), generator=g)  # 2 requests, 10 context tokens
+    with torch.no_grad():
+        hs = qwen3.model(ids, output_hidden_states=True).hidden_states
+    feats = ref.extract_context_feature(hs, theirs.target_layer_ids)  # [2, 10, 2H]
+    ours_feats = capture(qwen3.model, ids, None, drafter.capture_layer_ids())[0]
+    torch.testing.assert_close(ours_feats, feats, rtol=0, atol=1e-6)
+
+    roots = torch.tensor([5, 7])
+    block = torch.full((2, 4), theirs.mask_token_id)
+    block[:, 0] = roots
+    with torch.no_grad():
+        hidden = theirs(target_hidden=feats, noise_embedding=qwen3.model.get_input_embeddings()(block),
+                        position_ids=torch.arange(14)[None].expand(2, 14), use_cache=False)
+        want = theirs.compute_logits(hidden[:, 1:], qwen3.model.lm_head)  # [2, 3, V]
+    runner = drafter.draft_state(2, 32, torch.device("cpu"))
+    runner.extend(ids, feats, torch.tensor([10, 10]))
+    got = runner.block_logits(roots)
+    assert (got - want).abs().max().item() < 1e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_training_blocks_equal_inference_blocks(qwen3):
+    """The training mask is the inference view: every anchor's block in the training forward gives the
+    logits of a fresh runner holding exactly the context before that anchor (nothing at or after it)."""
+    drafter = make_drafter(qwen3, block_size=4)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, qwen3.config.vocab_size, (2, 24), generator=g)
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[:, :5] = 0
+    feats = capture(qwen3.model, ids, None, drafter.capture_layer_ids())[0]
+    anchors, valid = sample_anchors(mask, 4, 64, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        train = drafter.target_lm_head(drafter.anchor_blocks(ids, feats, anchors, valid)[:, :, 1:])  # [2, A, 3, V]
+    checked = 0
+    for b in range(2):
+        for j in range(anchors.shape[1]):
+            if not valid[b, j]:
+                continue
+            a = int(anchors[b, j])
+            runner = drafter.draft_state(1, 32, torch.device("cpu"))
+            if a:
+                runner.extend(ids[b: b + 1, :a], feats[b: b + 1, :a], torch.tensor([a]))
+            want = runner.block_logits(ids[b: b + 1, a])[0]
+            torch.testing.assert_close(train[b, j], want, rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked >= 6
+
+
+def test_anchors_are_supervised_and_never_overlap():
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(3, 200, generator=g) > 0.2).long()
+    mask[2] = 0  # a row with nothing to supervise gets no anchor
+    anchors, valid = sample_anchors(mask, 8, 512, g)
+    for b in range(3):
+        a = anchors[b][valid[b]].tolist()
+        assert a == sorted(a) and all(y - x >= 8 for x, y in zip(a, a[1:]))
+        assert all(mask[b, t] and mask[b, t + 1] for t in a)
+    assert valid[2].sum() == 0 and valid[0].sum() >= 10
+    few, v = sample_anchors(mask, 8, 3, g)
+    assert v.sum(1).tolist()[:2] == [3, 3]  # num_anchors caps them
+
+
+def test_layer_id_conventions_per_engine(qwen3, tiny_qwen3_dir, tmp_path):
+    """Stored: z-lab's (outputs of layers). Capture: inputs = +1. to=dflash: as stored. to=gguf
+    (`dflash.target_layers`, llama.cpp extracts layer inputs) and to=speculators (vLLM's capture ids): +1.
+    Read back: the stored ids."""
+    from test_families import weightless_gguf
+
+    drafter = make_drafter(qwen3, ids=(0, 2))
+    assert drafter.config.target_layer_ids == [0, 2] and drafter.capture_layer_ids() == [1, 3]
+    tdir = tmp_path / "target"
+    tdir.mkdir()
+    for f in tiny_qwen3_dir.iterdir():
+        (tdir / f.name).write_bytes(f.read_bytes())
+    weightless_gguf(tdir / "target.gguf", qwen3)
+    src = save_draft(drafter, tmp_path / "final", {**qwen3.info(), "name_or_path": str(tdir)})
+    gg = export(src, "gguf", tmp_path / "d.gguf", target=str(tdir / "target.gguf"))
+    import gguf
+
+    r = gguf.GGUFReader(str(gg))
+    assert r.fields["general.architecture"].contents() == "dflash"
+    assert list(r.fields["dflash.target_layers"].contents()) == [1, 3]
+    assert int(r.fields["dflash.block_size"].contents()) == 4
+    assert int(r.fields["tokenizer.ggml.mask_token_id"].contents()) == 2
+    assert gguf_target_layer_ids(gg) == [0, 2]
+    back = read_back_gguf(gg)
+    assert torch.equal(back["layers.1.self_attn.k_norm.weight"], drafter.layers[1].self_attn.k_norm.weight)
+    zl = export(src, "dflash", tmp_path / "zlab")
+    assert json.loads((zl / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [0, 2]
+    sp = export(src, "speculators", tmp_path / "spec")
+    sc = json.loads((sp / "config.json").read_text())
+    assert sc["speculators_model_type"] == "dflash" and sc["aux_hidden_state_layer_ids"] == [1, 3]
+    assert sc["mask_token_id"] == 2 and sc["block_size"] == 4 and sc["sample_from_anchor"] is False
+    assert sc["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert read_exported(sp)[0] == read_exported(zl)[0] == replace(drafter.config, num_anchors=512,
+                                                                   loss_decay_gamma=4.0, labels="soft")
+    # capture.layer_ids (inputs) wins over the options and is stored as outputs
+    c = build(qwen3.config, DflashOptions(mask_token_id=2, num_layers=2), [1, 3], None)
+    assert c.target_layer_ids == [0, 2]
+
+
+def test_bad_mask_token_and_layers_are_named_errors(qwen3):
+    with pytest.raises(ValueError, match="mask_token_id: required"):
+        DflashOptions().validate()
+    with pytest.raises(ValueError, match="mask_token_id: 9999 is not a row"):
+        build(qwen3.config, DflashOptions(mask_token_id=9999), None, None)
+    with pytest.raises(ValueError, match=r"target_layer_ids: \[3\] out of range"):
+        build(qwen3.config, DflashOptions(mask_token_id=2, target_layer_ids=[3]), None, None)
+    drafter = make_drafter(qwen3)
+    problems = drafter.check_data([{"id": "a", "input_ids": [5, 6]}, {"id": "b", "input_ids": [5, 2, 6]}])
+    assert len(problems) == 1 and "mask_token_id=2 occurs in 1 training sample(s) (first: b)" in problems[0]
+    ids = torch.tensor([[5, 2, 6, 7]])
+    with pytest.raises(ValueError, match="mask token id 2 occurs in the training data"):
+        drafter(ids, torch.zeros(1, 4, 2 * qwen3.config.hidden_size), torch.zeros(1, 4, qwen3.config.vocab_size),
+                torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4))
+
+
+def test_verify_fewer_drafts_than_the_block_and_reject_more(qwen3):
+    drafter = make_drafter(qwen3, block_size=4)
+    gen = SpeculativeGenerator(qwen3, drafter)
+    prompt = [[5, 6, 7, 8, 9]]
+    ar = gen.generate(prompt, 12, SpecConfig(mode="ar"))[0].tokens
+    for k in (1, 2, 3):
+        res = gen.generate(prompt, 12, SpecConfig(mode="block", num_draft_tokens=k))[0]
+        assert res.tokens == ar and max(res.num_drafted) <= k
+    with pytest.raises(ValueError, match="a block of this draft has 3 draft slots"):
+        gen.generate(prompt, 4, SpecConfig(mode="block", num_draft_tokens=4))
+    with pytest.raises(ValueError, match="spec mode 'chain': this dflash draft drafts block only"):
+        gen.generate(prompt, 4, SpecConfig(mode="chain"))
+
+
+def test_sampled_block_drafting_matches_the_target():
+    """Slots are drafted independently from their own distributions; rejection sampling over them keeps the
+    target's joint distribution (the same total-variation check as the chain and tree modes)."""
+    from test_runtime import V_SMALL, empirical_joint, exact_joint, tiny_target
+
+    target = tiny_target("qwen3", vocab=V_SMALL, seed=2, dtype=torch.float32, head_scale=20.0)
+    target.model.config.eos_token_id = target.model.generation_config.eos_token_id = None
+    opts = DflashOptions(num_layers=1, block_size=4, mask_token_id=0, target_layer_ids=[0])
+    torch.manual_seed(4)
+    drafter = DflashDrafter(build(target.config, opts, None, None))
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+        drafter.target_lm_head.weight.copy_(lm_head_weight(target.model))
+    prompt = [3, 5, 1, 6]
+    spec = SpecConfig(mode="block", num_draft_tokens=3, temperature=1.0, batch_size=1000)
+    res = SpeculativeGenerator(target, drafter.eval()).generate([prompt] * 8000, 3, spec)
+    assert sum(r.accept_lens[0] for r in res if r.accept_lens) > 500  # the drafts do get accepted
+    exact = exact_joint(target, prompt, 3, 1.0, 1.0)
+    tv = 0.5 * float((empirical_joint(res, 3) - exact).abs().sum())
+    assert tv < 0.07, tv
+    spec_p = replace(spec, temperature=0.7, top_p=0.8)
+    res = SpeculativeGenerator(target, drafter).generate([prompt] * 8000, 3, spec_p)
+    tv = 0.5 * float((empirical_joint(res, 3) - exact_joint(target, prompt, 3, 0.7, 0.8)).abs().sum())
+    assert tv < 0.07, tv
