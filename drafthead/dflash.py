@@ -43,7 +43,7 @@ class DflashOptions:
     loss_decay_gamma: float | None = None  # slot k weight exp(-(k-1)/gamma); null: 7 for B >= 16, else 4
     labels: str = "soft"  # soft = the target's distribution (distillation); hard = the data token
     intermediate_size: int | None = None  # null = the target's
-    init: str = "target"  # target = the target's last layers and final norm; random
+    init: str = "target"  # target = the target's last layers and final norm; random = random layers, its final norm
 
     def validate(self) -> None:
         if self.num_layers < 1:
@@ -466,15 +466,17 @@ def init(drafter: DflashDrafter, target: Any, options: DflashOptions) -> str:
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
         drafter.target_lm_head.weight.copy_(lm_head_weight(target.model))
+        # the head is the target's: its final norm is the scale that head expects (SmolLM2's tied head gives
+        # logits in the hundreds, a first loss of ~70, behind a unit norm)
+        drafter.norm.weight.copy_(final_norm_weight(target.model))
         if options.init == "random":
-            return "random layers"
+            return "random layers, the target's final norm"
         src = list(decoder_layers(target.model))[-len(drafter.layers):]
         for mine, theirs in zip(drafter.layers, src):
             theirs_sd = theirs.state_dict()
             for name, p in mine.state_dict().items():
                 if name in theirs_sd and theirs_sd[name].shape == p.shape:
                     p.copy_(theirs_sd[name])
-        drafter.norm.weight.copy_(final_norm_weight(target.model))
     return f"the target's last {len(drafter.layers)} layer(s) and final norm"
 
 

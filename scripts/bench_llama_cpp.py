@@ -1,14 +1,19 @@
-"""llama.cpp with and without our EAGLE3 draft on MT-Bench first turns (SmolLM2 chat template).
+"""llama.cpp with and without our draft (EAGLE3 or DFlash GGUF) on MT-Bench first turns (SmolLM2 chat template).
 
     python scripts/bench_llama_cpp.py draft=runs/eagle3_smollm2/final            # a draft dir (exported here)
     python scripts/bench_llama_cpp.py draft=draft.gguf max_prompts=8 max_new_tokens=128 threads=2
     python scripts/bench_llama_cpp.py draft=... outtype=q8_0 n_draft=[1,2,3,4] out=bench_llama_cpp.json
+    python scripts/bench_llama_cpp.py draft=runs/dflash_smollm2/final n_draft=[7]   # DFlash: n_draft = B-1
 
 Prints, for n_draft 1..4: llama.cpp's acceptance (n_accept / n_drafted), tau (tokens per verify round =
 accepted + 1) and decode tokens/s (llama.cpp's own timer), against the target alone; then llama.cpp's verify-cost curve
 (llama-bench: time to evaluate 1..8 tokens in one batch after `depth` tokens of context) and the n_draft
 it predicts to be best: tokens per round / (verify(n_draft+1) + n_draft * draft step). Our runtime's
-numbers (drafthead.runtime chain drafting, same draft and prompts) are printed beside when available.
+numbers (drafthead.runtime, the draft's first mode: chain for EAGLE3, block for DFlash; same draft and
+prompts) are printed beside when available, with the acceptance by draft position from both (llama.cpp's
+`#acc rate/pos`, read from a second, verbose pass: the share of verify rounds that accepted position i).
+llama.cpp drafts a DFlash block of n_draft + 1 positions; the draft was trained on blocks of B, so
+n_draft = B - 1 compares like with like.
 """
 from __future__ import annotations
 
@@ -28,7 +33,24 @@ from drafthead.export.llama_cpp import (chat_prompt, default_threads, llama_cpp_
 
 DEFAULTS = dict(draft=None, target="smollm2-135m-instruct", outtype="f32", max_prompts=8, max_new_tokens=128,
                 n_draft=[1, 2, 3, 4], threads=None, depth=256, verify_sizes=[1, 2, 3, 4, 5, 8], repetitions=5,
-                ours=True, out=None)
+                ours=True, by_position=True, out=None)
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # GGUF general.architecture -> --spec-type
+
+
+def spec_type(gguf: Path) -> str:
+    from drafthead.export.common import read_gguf_metadata
+
+    arch = read_gguf_metadata(gguf).get("general.architecture", (0, None, None))[2]
+    if arch not in SPEC_TYPES:
+        raise SystemExit(f"{gguf}: general.architecture {arch!r} is not a draft llama.cpp runs here "
+                         f"({', '.join(SPEC_TYPES)})")
+    return SPEC_TYPES[arch]
+
+
+def by_position(rounds: list[list[int]], k: int) -> list[float]:
+    """Share of verify rounds that accepted draft position i (i < k), over every prompt's rounds."""
+    flat = [a for r in rounds for a in r]
+    return [sum(a > i for a in flat) / len(flat) if flat else 0.0 for i in range(k)]
 
 
 def mt_bench_first_turns(n: int) -> list[str]:
@@ -72,7 +94,7 @@ def predict_best(rows: dict[int, dict], curve: dict[int, float]) -> tuple[int | 
 
 
 def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], threads: int) -> dict | str:
-    """Our runtime (drafthead.runtime, chain drafting) on the same prompts and draft, when available."""
+    """Our runtime (drafthead.runtime, the draft's first mode) on the same prompts and draft, when available."""
     if Path(draft).suffix == ".gguf":
         return "skipped: draft given as .gguf (needs the draft directory)"
     try:
@@ -87,19 +109,24 @@ def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], th
     target, drafter = load_models(draft, None, None, "cpu")
     gen = SpeculativeGenerator(target, drafter, device="cpu")
     ids = [target.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    out: dict = {}
+    mode = drafter.draft_modes[0]
+    out: dict = {"mode": mode}
     for key, spec in [("ar", SpecConfig(mode="ar", temperature=0.0))] + \
-            [(k, SpecConfig(mode="chain", num_draft_tokens=k, temperature=0.0)) for k in ks]:
+            [(k, SpecConfig(mode=mode, num_draft_tokens=k, temperature=0.0)) for k in ks]:
         gen.generate([ids[0]], 8, spec)  # warm-up
         tokens = rounds = 0
+        accepts = []
         t0 = time.perf_counter()
         for p in ids:
             r = gen.generate([p], max_new, spec)[0]
             tokens, rounds = tokens + len(r.tokens), rounds + r.num_rounds
+            accepts.append(r.accept_lens)
         wall = time.perf_counter() - t0
         # tau: tokens per verify round (the first token of each prompt comes from prefill)
         out[key] = {"tokens_per_s": tokens / wall,
                     "acceptance_length": (tokens - len(ids)) / rounds if rounds else None}
+        if key != "ar":
+            out[key]["accept_by_position"] = by_position(accepts, key)
     return out
 
 
@@ -125,7 +152,8 @@ def main(argv: list[str]) -> int:
     prompts = [chat_prompt(tok, u) for u in users]
     with tempfile.TemporaryDirectory() as tmp:
         dft = draft_gguf(str(cfg.draft), cfg.target, cfg.outtype, Path(tmp))
-        print(f"llama.cpp: {bins}\ntarget: {tgt}\ndraft: {cfg.draft} -> {dft.name}\n"
+        st = spec_type(dft)
+        print(f"llama.cpp: {bins}\ntarget: {tgt}\ndraft: {cfg.draft} -> {dft.name} (--spec-type {st})\n"
               f"{len(prompts)} MT-Bench first turns, max_new_tokens {cfg.max_new_tokens}, {cfg.threads} threads")
 
         base = [run_target(bins, tgt, p, cfg.max_new_tokens, cfg.threads) for p in prompts]
@@ -133,7 +161,8 @@ def main(argv: list[str]) -> int:
         rows: dict[int, dict] = {}
         first: list[str] | None = None  # texts of the first n_draft: every other n_draft must equal them
         for k in cfg.n_draft:
-            runs = [run_speculative(bins, tgt, dft, p, cfg.max_new_tokens, k, cfg.threads) for p in prompts]
+            runs = [run_speculative(bins, tgt, dft, p, cfg.max_new_tokens, k, cfg.threads, spec_type=st)
+                    for p in prompts]
             drafted, accepted = sum(r.n_drafted for r in runs), sum(r.n_accept for r in runs)
             decoded, secs = sum(r.n_decoded for r in runs), sum(r.decode_s for r in runs)
             first = first or [r.text for r in runs]
@@ -142,6 +171,11 @@ def main(argv: list[str]) -> int:
                        "tokens_per_s": decoded / secs, "speedup": decoded / secs / base_tok_s,
                        "decode_s": secs, "same_as_alone": sum(_prefix_equal(r.text, b.text) for r, b in zip(runs, base)),
                        "same_across_n_draft": sum(_prefix_equal(r.text, t) for r, t in zip(runs, first))}
+            if cfg.by_position:  # a verbose pass (slower: its timings are not used) for llama.cpp's per-position counts
+                pos = [run_speculative(bins, tgt, dft, p, cfg.max_new_tokens, k, cfg.threads, spec_type=st,
+                                       verbose=True).accept_by_pos for p in prompts]
+                pos = [x + [0.0] * (k - len(x)) for x in pos if x is not None]
+                rows[k]["accept_by_position"] = [sum(c) / len(c) for c in zip(*pos)] if pos else None
         curve = verify_cost(bins, tgt, list(cfg.verify_sizes), cfg.depth, cfg.threads, cfg.repetitions)
     best, pred, draft_step = predict_best(rows, curve)
     ours = ours_runtime(str(cfg.draft), prompts, cfg.max_new_tokens, list(cfg.n_draft), cfg.threads) if cfg.ours \
@@ -158,6 +192,12 @@ def main(argv: list[str]) -> int:
               f"{f(r['speedup']):>8} {f(pred.get(k), 1):>10} {r['same_as_alone']:>3}/{len(prompts):<2} "
               f"{r['same_across_n_draft']:>2}/{len(prompts):<2} | "
               f"{f(o.get('acceptance_length')):>8} {f(o.get('tokens_per_s'), 1):>10}")
+    for k, r in rows.items():
+        o = ours.get(k, {}) if isinstance(ours, dict) else {}
+        if r.get("accept_by_position") or o.get("accept_by_position"):
+            fmt = lambda xs: "n/a" if not xs else "[" + ", ".join(f"{x:.3f}" for x in xs) + "]"  # noqa: E731
+            print(f"acceptance by position, n_draft {k}: llama.cpp {fmt(r.get('accept_by_position'))} (mean over "
+                  f"prompts), ours {fmt(o.get('accept_by_position'))} (over rounds)")
     if isinstance(ours, str):
         print(f"our runtime: {ours}")
     elif "ar" in ours:

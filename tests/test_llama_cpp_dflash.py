@@ -87,7 +87,7 @@ def world(tmp_path_factory, bins):
     drafters = {"random": new_drafter(1).eval()}
     for name, steps in STEPS.items():
         d = new_drafter(1)
-        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)  # 3e-3 stalls (loss ~3.7)
         for _ in range(steps):
             out = d(input_ids, aux, teacher, argmax, loss_mask)
             opt.zero_grad()
