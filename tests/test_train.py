@@ -387,3 +387,36 @@ def test_real_smollm2_mtp_recipe_smoke(tmp_path):
     rows = [r for r in metrics(run) if "loss" in r]
     assert rows[-1]["step"] == 3 and all(r["loss"] > 0 for r in rows)
     assert any("eval/acc_1" in r for r in metrics(run))  # K=2 depths evaluated on held-out data
+
+
+DFLASH = {"drafter.family": "dflash", "drafter.dflash.mask_token_id": 3, "drafter.dflash.block_size": 4,
+          "drafter.dflash.num_layers": 1, "drafter.dflash.target_layer_ids": "[0,2]", "capture.layer_ids": "null"}
+
+
+def test_dflash_resume_gives_the_same_draft(tiny_llama_dir, tiny_sharegpt, tmp_path, capsys):
+    """Anchors are drawn from the torch RNG each step; a resumed run restores it and ends bit-identical."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.main(args(full, tiny_llama_dir, tiny_sharegpt, **DFLASH, **{"train.eval_every": 3, "train.eval_samples": 4}))
+    train.main(args(part, tiny_llama_dir, tiny_sharegpt, **DFLASH, **{"train.stop_after_steps": 3,
+                                                                     "train.eval_every": 3, "train.eval_samples": 4}))
+    train.main(args(part, tiny_llama_dir, tiny_sharegpt, **DFLASH, **{"train.resume": "auto", "train.eval_every": 3,
+                                                                     "train.eval_samples": 4}))
+    assert "resumed from" in capsys.readouterr().out
+    assert_same_weights(part / "final", full / "final")
+    evals = [r for r in metrics(full) if "eval/block_accept_len" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(1.0 <= r["eval/block_accept_len"] <= 4.0 for r in evals)
+    assert without_wall(metrics(part)[-1]) == without_wall(metrics(full)[-1])
+    meta = read_draft_config(full / "final")
+    assert meta["family"] == "dflash" and meta["draft"]["target_layer_ids"] == [0, 2]
+
+
+@pytest.mark.slow
+def test_real_smollm2_dflash_recipe_smoke(tmp_path):
+    """dflash_smollm2 end to end on the real target: the mask token is checked against the data, the draft
+    saves without the target's head and loads back for the runtime."""
+    run, p = train_real_smollm2(tmp_path, "dflash_smollm2", steps=3)
+    assert "mask token 16" in p.stdout and "init the target's last 3 layer(s)" in p.stdout
+    meta = read_draft_config(run / "final")
+    assert meta["family"] == "dflash" and meta["draft"]["target_layer_ids"] == [1, 14, 27]
+    assert "target_lm_head.weight" not in weights(run / "final")
+    assert any("eval/block_accept_len" in r for r in metrics(run))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +27,9 @@ import torch
 from safetensors.torch import load_file
 
 from drafthead.dflash import DflashConfig
-from drafthead.export.common import (ExportError, TargetInfo, cast_state, check_gguf_out, default_mode,
-                                     resolve_target, write_hf_dir)
-from drafthead.export.gguf import FILE_TYPES, OUTTYPES, _encode, copy_tokenizer
+from drafthead.export.common import (ExportError, TargetInfo, cast_state, check_gguf_out, resolve_target,
+                                     write_hf_dir)
+from drafthead.export.gguf import FILE_TYPES, OUTTYPES, copy_tokenizer, encode_tensor, write_atomic
 from drafthead.registry import LoadedDraft
 
 ARCH = "dflash"
@@ -221,7 +220,7 @@ def write_gguf(draft: LoadedDraft, target: TargetInfo, path: Path, outtype: str)
     copy_tokenizer(target.gguf_path, w)
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
     for name, t in gguf_tensors(draft.state, cfg.num_hidden_layers).items():
-        arr, raw = _encode(name, t, outtype)
+        arr, raw = encode_tensor(name, t, outtype)
         w.add_tensor(name, arr, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -239,19 +238,7 @@ def to_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = Non
     if tinfo.gguf_path is None:
         raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target {tinfo.name_or_path!r} "
                           f"({tinfo.source}) is not a GGUF file: pass target=PATH.gguf")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
-    try:
-        write_gguf(draft, tinfo, Path(tmp), outtype)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        default_mode(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return out
+    return write_atomic(out, lambda tmp: write_gguf(draft, tinfo, tmp, outtype))
 
 
 def read_back_gguf(path: str | os.PathLike) -> dict[str, torch.Tensor]:

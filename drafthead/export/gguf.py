@@ -82,7 +82,7 @@ def gguf_tensors(src: DraftSource) -> dict[str, torch.Tensor]:
     return out
 
 
-def _encode(name: str, t: torch.Tensor, outtype: str):
+def encode_tensor(name: str, t: torch.Tensor, outtype: str):
     """(array, raw_dtype) for GGUFWriter.add_tensor. 1-D tensors stay f32 (norms) / i64 (d2t)."""
     import gguf
     from gguf import quants
@@ -149,7 +149,7 @@ def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = 
     w.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
     copy_tokenizer(target.gguf_path, w)
     for name, t in gguf_tensors(src).items():
-        arr, raw = _encode(name, t, outtype)
+        arr, raw = encode_tensor(name, t, outtype)
         w.add_tensor(name, arr, raw_dtype=raw)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -163,11 +163,17 @@ def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype
     if target.gguf_path is None:
         raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target "
                           f"{target.name_or_path!r} ({target.source}) is not a GGUF file: pass target=PATH.gguf")
+    return write_atomic(out, lambda tmp: write_gguf(src, target, tmp, outtype))
+
+
+def write_atomic(out: Path, write) -> Path:
+    """`write(tmp_path)` a GGUF next to `out`, fsync it, give it umask permissions and rename it to `out`:
+    a failed export leaves nothing at `out`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
     os.close(fd)
     try:
-        write_gguf(src, target, Path(tmp), outtype)
+        write(Path(tmp))
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         default_mode(tmp)
