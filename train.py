@@ -173,8 +173,10 @@ def main(argv: list[str]) -> Path:
             if eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == total_steps):
                 last_eval = L.evaluate(engine.module, eval_batches, head, d)
                 logger.log({"step": step, **last_eval, "wall_s": round(time.perf_counter() - t_start, 1)})
+                block = last_eval.get("eval/block_accept_len")  # block drafters measure it per block
                 log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
-                    f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
+                    + (f"block accept len {block:.2f}" if block is not None else
+                       f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}"))
                 L.trim_freed_memory()
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                     stop_after and steps_this_process >= stop_after):

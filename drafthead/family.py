@@ -53,9 +53,10 @@ class Drafter(Protocol):
         hidden state (after its final norm) is always captured, the teacher distribution comes from it.
     Runtime (drafthead/runtime):
         `features` "aux" (the captured layers) or "last" (the last hidden state): what a draft prefix entry
-        reads; `draft_modes` the proposal shapes it supports ("chain", "tree"); `check_target(tcfg)` the
-        mismatches with a target, as messages; `draft_state(batch, capacity, device)` a fresh drafting state
-        (extend / chain / tree / select, see drafthead/runtime/draft.py).
+        reads; `draft_modes` the proposal shapes it supports ("chain", "tree", "block"); `check_target(tcfg)`
+        the mismatches with a target, as messages; `draft_state(batch, capacity, device)` a fresh drafting
+        state (extend / select, and chain / tree / block for its modes: drafthead/runtime/draft.py,
+        `BlockRunner` in drafthead/dflash.py).
     Optional: `check_data(samples) -> list[str]` problems with the training samples (dicts with input_ids),
         checked when the draft is built (e.g. a DFlash mask token that occurs in the data).
     Saving: every tensor of `state_dict()` except `registry.NOT_SAVED` (the target's embedding, and head where a
