@@ -5,8 +5,8 @@ A draft directory holds:
   architecture, num_hidden_layers, hidden_size, vocab_size}, "drafthead_version": str}
 - `model.safetensors`: the family's weights and buffers. The token embedding is a frozen copy of the
   target's and is not saved (as in SGLang/vLLM EAGLE3 checkpoints), nor is a family's frozen copy of the
-  target's head (`target_lm_head`); `load_draft` takes both from the target. Everything else a family keeps (a frozen copy of the target's head, say) is saved when it is
-  part of the layout the family exports to.
+  target's head (`target_lm_head`); `load_draft` takes both from the target. Everything else a family keeps
+  (MTP's copy of the target's head, say) is saved when it is part of the layout the family exports to.
 """
 from __future__ import annotations
 

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from drafthead.hardware import check_dtype
+from drafthead.runtime.generate import DRAFTER_MODES, MODES  # the runtime's modes are the eval's
 from eval.acceptance import generate_samples, warmup
 from eval.datasets import DATASETS, load_eval_dataset
 from eval.report import build_report, machine_info, write_report
 
-MODES = ("ar", "chain", "tree", "ngram", "block")
 NONE_WORDS = ("none", "None", "null", "")
 
 
@@ -80,7 +80,7 @@ def resolve_mode(cfg: EvalConfig, has_draft: bool | None = None) -> str:
     mode = cfg.mode or ("chain" if has_draft else "ngram")
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    if mode in ("chain", "tree", "block") and not has_draft:
+    if mode in DRAFTER_MODES and not has_draft:
         raise ValueError(f"mode={mode} needs a trained draft (draft=<run_dir>/final); with draft=none use "
                          f"mode=ngram or mode=ar")
     return mode

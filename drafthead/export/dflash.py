@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from drafthead.dflash import DflashConfig
 from drafthead.export.common import (ExportError, TargetInfo, cast_state, check_gguf_out, resolve_target,
                                      write_hf_dir)
-from drafthead.export.gguf import FILE_TYPES, OUTTYPES, copy_tokenizer, encode_tensor, write_atomic
+from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, encode_tensor, write_atomic
 from drafthead.registry import LoadedDraft
 
 ARCH = "dflash"
@@ -198,22 +198,8 @@ def write_gguf(draft: LoadedDraft, target: TargetInfo, path: Path, outtype: str)
 
     cfg: DflashConfig = draft.config
     w = gguf.GGUFWriter(str(path), ARCH)
-    w.add_type("model")
-    w.add_name(f"{Path(target.name_or_path).name} DFlash draft (drafthead)")
-    w.add_file_type(FILE_TYPES[outtype])
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    add_model_keys(w, cfg, f"{Path(target.name_or_path).name} DFlash draft (drafthead)", cfg.num_hidden_layers,
+                   outtype)
     w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
     w.add_key_value(f"{ARCH}.target_layers", [i + 1 for i in cfg.target_layer_ids], gguf.GGUFValueType.ARRAY,
                     sub_type=gguf.GGUFValueType.INT32)  # llama.cpp extracts layer INPUTS: ours + 1

@@ -103,6 +103,29 @@ def encode_tensor(name: str, t: torch.Tensor, outtype: str):
     return quants.quantize(a, q.Q8_0), q.Q8_0
 
 
+def add_model_keys(w, cfg, name: str, block_count: int, outtype: str) -> None:
+    """The general and llama-style keys every draft GGUF carries (`{arch}.*` under the writer's arch), from a
+    config with hidden_size, intermediate_size, heads, head_dim, rope_theta, rms_norm_eps, vocab_size."""
+    import gguf
+
+    w.add_type("model")
+    w.add_name(name)
+    w.add_file_type(FILE_TYPES[outtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(block_count)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+
+
 def copy_tokenizer(target_gguf: Path, writer) -> int:
     """Copy every `tokenizer.*` key of the target GGUF (same value types); returns how many."""
     import gguf
@@ -128,22 +151,7 @@ def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = 
     cfg = src.config
     layers = list(cfg.aux_layer_ids)  # inputs of these target layers: what llama.cpp extracts, see above
     w = gguf.GGUFWriter(str(path), ARCH)
-    w.add_type("model")
-    w.add_name(f"{Path(target.name_or_path).name} EAGLE3 draft (drafthead)")
-    w.add_file_type(FILE_TYPES[outtype])
-    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(1)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+    add_model_keys(w, cfg, f"{Path(target.name_or_path).name} EAGLE3 draft (drafthead)", 1, outtype)
     w.add_key_value(f"{ARCH}.target_layers", layers, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
     w.add_uint32(f"{ARCH}.target_hidden_size", cfg.target_hidden_size)
     w.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
