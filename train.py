@@ -27,7 +27,7 @@ from drafthead.io import atomic_write_bytes
 from drafthead.registry import family, save_draft
 from drafthead.target import load_target
 from trainer import engine as L
-from trainer.budget import budget_record, plan_run, refit_after_capture
+from trainer.budget import StepClock, budget_record, plan_run, refit_after_capture
 from trainer.capture import CaptureError, ShardedFeatures, capture_offline
 from trainer.config import as_dict, parse_or_exit, to_yaml
 from trainer.data import write_jsonl
@@ -125,6 +125,12 @@ def main(argv: list[str]) -> Path:
 
     if plan is not None and step == 0:
         logger.log({"step": 0, "budget_plan": plan.to_dict()})
+    # the budget re-fits the step count from the loop's own rate (resumed: the stored re-fits)
+    most = max(total_steps, math.ceil(cfg.budget.max_passes * per_epoch / cfg.train.grad_accum))
+    clock = StepClock(plan, cfg, total_steps, step, most)
+    if clock.total != total_steps:
+        total_steps = clock.total
+        engine.set_total_steps(total_steps)
 
     # --- training loop ---------------------------------------------------------------------------
     from tqdm import tqdm
@@ -170,6 +176,12 @@ def main(argv: list[str]) -> Path:
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
                 acc_c.zero_(), acc_n.zero_()
                 loss_sum, n_micro = 0.0, 0
+            if clock.due(step):
+                total_steps = clock.refit(step, time.perf_counter() - t_start, d, run_dir, log)
+                engine.set_total_steps(total_steps)
+                bar.total = total_steps
+                bar.refresh()
+            t_side = time.perf_counter()
             if eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == total_steps):
                 last_eval = L.evaluate(engine.module, eval_batches, head, d)
                 logger.log({"step": step, **last_eval, "wall_s": round(time.perf_counter() - t_start, 1)})
@@ -178,10 +190,13 @@ def main(argv: list[str]) -> Path:
                     + (f"block accept len {block:.2f}" if block is not None else
                        f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}"))
                 L.trim_freed_memory()
+                clock.spent("eval", time.perf_counter() - t_side)
+            t_side = time.perf_counter()
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                     stop_after and steps_this_process >= stop_after):
                 L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints)
                 L.trim_freed_memory()
+                clock.spent("save", time.perf_counter() - t_side)
             if step >= total_steps or (stop_after and steps_this_process >= stop_after):
                 done = True
                 break

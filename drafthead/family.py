@@ -36,6 +36,9 @@ class Family:
     # export format -> "module:function" reading a written export back into the draft's own tensor names
     # (`read_back(path) -> dict[str, Tensor]`): the contract test's round trip, and a user's check
     readers: dict[str, str] = field(default_factory=dict)
+    # export formats with no reader, each with why and what proves it instead (a format that merges the
+    # draft into a standalone model cannot be read back into the draft's own tensors)
+    no_reader: dict[str, str] = field(default_factory=dict)
     # "draft" keys renamed since a draft directory was written: old name -> new name (read on load)
     renamed_keys: dict[str, str] = field(default_factory=dict)
     # (options, target HF config) -> a one-line description for the training log

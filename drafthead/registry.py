@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafthead import dflash, eagle3, mtp
+from drafthead import dflash, eagle3, lora, mtp
 from drafthead.family import Family
 from drafthead.io import atomic_dir
 from drafthead.vocab import draft_ids
@@ -29,6 +29,7 @@ FAMILIES: dict[str, Family] = {
     "eagle3": eagle3.FAMILY,
     "mtp": mtp.FAMILY,
     "dflash": dflash.FAMILY,
+    "lora": lora.FAMILY,
 }
 # frozen copies of the target's tensors, taken back from the target on load: every family's token
 # embedding, and the output head of families that read through the target's own (DFlash)
@@ -52,8 +53,14 @@ def make_config(name: str, draft: dict, error: type[ValueError] = ValueError) ->
         raise error(f"bad 'draft' section for family {name!r}: {e}") from None
 
 
+def not_saved(drafter: torch.nn.Module) -> set[str]:
+    """State names taken back from the target on load: NOT_SAVED and the family's `target_tensors()`."""
+    return set(NOT_SAVED) | set(drafter.target_tensors() if hasattr(drafter, "target_tensors") else ())
+
+
 def draft_state_dict(drafter: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in NOT_SAVED}
+    skip = not_saved(drafter)
+    return {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items() if k not in skip}
 
 
 def save_draft(drafter: torch.nn.Module, path: str | os.PathLike, target_info: dict,
@@ -115,7 +122,9 @@ def check_state(state: dict[str, torch.Tensor], fam: Family, config: Any, where:
     device: missing, unexpected, misshapen or non-finite tensors, and a d2t / t2d pair that does not describe
     one vocabulary, are errors. Our draft directories and outside checkpoints (`load_exported`) alike."""
     with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in fam.model(config).state_dict().items() if k not in NOT_SAVED}
+        module = fam.model(config)
+        skip = not_saved(module)
+        want = {k: tuple(v.shape) for k, v in module.state_dict().items() if k not in skip}
     missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or unexpected:
         more = lambda xs: f"{xs[:6]}{' ...' if len(xs) > 6 else ''}"  # noqa: E731
@@ -147,12 +156,24 @@ def check_vocab(d2t: torch.Tensor, t2d: torch.Tensor, where: str, error: type[Va
 
 
 def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None,
-               device: str | torch.device = "cpu", head_weight: torch.Tensor | None = None) -> torch.nn.Module:
+               device: str | torch.device = "cpu", head_weight: torch.Tensor | None = None,
+               target: torch.nn.Module | None = None) -> torch.nn.Module:
     """Rebuild a drafter from `path`. `embed_weight` is the target's token embedding [V, H], `head_weight`
-    its output head [V, H] (read by families that keep a `target_lm_head`)."""
+    its output head [V, H] (read by families that keep a `target_lm_head`); `target` the target model
+    itself, which a family built from the target's own layers needs (and which gives the other two)."""
     draft = read_draft(path)
     drafter = draft.family.model(draft.config)
     drafter.load_state_dict(draft.state, strict=False)  # the target's tensors are not saved
+    if hasattr(drafter, "attach_target"):
+        if target is None:
+            raise ValueError(f"a {drafter.family} draft is built from the target's own layers: pass target")
+        drafter.attach_target(target)  # the embedding and head too
+        return drafter.to(device).eval()
+    if target is not None:
+        from drafthead.target import lm_head_weight
+
+        embed_weight = target.get_input_embeddings().weight if embed_weight is None else embed_weight
+        head_weight = lm_head_weight(target) if head_weight is None else head_weight
     attach_embedding(drafter, embed_weight)
     attach_head(drafter, head_weight)
     return drafter.to(device).eval()

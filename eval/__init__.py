@@ -128,8 +128,8 @@ def load_models(draft: str | None, target: str | None, gguf_file: str | None, de
             target, gguf_file = meta["target"]["name_or_path"], gguf_file or meta["target"].get("gguf_file")
     tgt = load_target(target, gguf_file, dtype=dtype, device=device)
     weight = tgt.model.get_input_embeddings().weight
-    drafter = load_draft(draft, embed_weight=weight, device=device, head_weight=lm_head_weight(tgt.model)
-                         ).to(weight.dtype) if draft else None
+    drafter = load_draft(draft, embed_weight=weight, device=device, head_weight=lm_head_weight(tgt.model),
+                         target=tgt.model).to(weight.dtype) if draft else None
     return tgt, drafter
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,60 @@ def test_refit_after_capture_absorbs_a_slow_capture():
     assert late == 0.1
 
 
+def test_refit_steps_fits_what_is_left_and_respects_its_bounds():
+    kw = dict(eval_s=20.0, save_s=1.0, eval_every=100, save_every=100, most=10_000)
+    n = B.refit_steps(100, 600.0, 3600.0, 2.0, **kw)
+    per = 2.0 + 20.0 / 100 + 1.0 / 100
+    end = 600.0 + (n - 100) * per + 20.0 + 2 * 1.0
+    assert end <= 3600 * B.SAFETY < end + per  # the most steps that fit, not fewer
+    assert B.refit_steps(100, 600.0, 3600.0, 4.0, **kw) < n  # a slower loop: fewer steps
+    assert B.refit_steps(100, 600.0, 3600.0, 0.01, **kw) == 10_000  # capped by the passes
+    assert B.refit_steps(100, 3599.0, 3600.0, 2.0, **kw) == 101  # nothing left: one more step, the last
+
+
+@pytest.mark.parametrize("truth", [0.65, 1.0, 1.4])  # the loop's real train rate / the probe's
+def test_step_refits_end_a_run_in_budget_when_the_probe_misreads_the_rate(truth):
+    """A run simulated with the probe's plan and a loop `truth` times as fast as probed: with the refits at
+    STEP_REFIT_AT it ends within the budget and, when the probe read high, past 90% of it."""
+    r, s = rates(773.0, 1672.0), shape()
+    p = B.make_plan(3600.0, 45.0, r, s)
+    step_tok = s.batch_size * r.tokens_per_sample
+    s_step = step_tok / (r.train_tok_s * truth)
+    eval_s, save_s = s.eval_samples * r.tokens_per_sample / r.eval_tok_s, r.save_s
+    t, step, total = p.est_s["setup"] + p.est_s["prepare"] + p.est_s["capture"], 0, p.steps
+    most = int(p.steps / p.passes * 4)
+    for at in B.STEP_REFIT_AT:
+        upto = max(2, math.ceil(at * p.steps))
+        t += (upto - step) * s_step + ((upto // 100) - (step // 100)) * (eval_s + save_s)
+        step = upto
+        total = B.refit_steps(step, t, 3600.0, s_step, eval_s, save_s, 100, 100, most)
+    t += (total - step) * s_step + (B._count_every(total, 100) - step // 100) * (eval_s + save_s) + save_s
+    assert t <= 3600
+    without = p.est_s["total"] + p.steps * s_step - p.est_s["train"]  # the plan as probed, at the true rate
+    if truth < 1:
+        assert without > 3600 and t > 0.9 * 3600
+
+
+def test_set_total_steps_keeps_the_warmup_and_ends_the_cosine_at_the_new_total():
+    import torch
+
+    from trainer import engine as L
+    from trainer.config import load_config
+
+    cfg = load_config(["train.warmup_ratio=0.1", "train.min_lr_ratio=0.1", "train.lr=1.0"])
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = L.make_schedule(opt, 100, cfg)
+    for _ in range(20):
+        opt.step(), sched.step()
+    L.set_total_steps(sched, 50, cfg)
+    lrs = []
+    for _ in range(40):
+        opt.step(), sched.step()
+        lrs.append(sched.get_last_lr()[0])
+    assert sched.lr_lambdas[0](5) == pytest.approx(0.6)  # warm-up of 10 steps (from the first total), not 5
+    assert lrs[29] == pytest.approx(0.1) and lrs == sorted(lrs, reverse=True)  # step 50: the floor
+
+
 def test_a_stored_plan_is_kept_only_for_the_same_budget_and_keys():
     r, s = rates(773.0, 1672.0), shape()
     p = B.Plan.from_dict(json.loads(json.dumps(B.make_plan(3600.0, 45.0, r, s).to_dict())))
@@ -169,7 +224,9 @@ def test_train_with_a_budget_plans_refits_records_and_keeps_its_plan(tiny_llama_
     assert rows[0]["budget_plan"]["conversations"] == 36
     rec = rows[-1]["budget"]
     assert set(rec["actual_s"]) == {"setup", "prepare", "capture", "train", "total"}
-    assert rec["actual_steps"] == plan.steps or abs(rec["actual_steps"] - plan.steps) <= 1
+    # the loop re-fitted its steps at 5% and 50% of the plan from its own rate, and ended where it said
+    assert [r["at_step"] for r in plan.step_refits] == [max(2, math.ceil(f * plan.steps)) for f in B.STEP_REFIT_AT]
+    assert rec["actual_steps"] == plan.step_refits[-1]["steps"]
     assert 0 < rec["actual_over_budget"] < 1.1
     meta = json.loads((run / "final" / "config.json").read_text())
     assert meta["budget"]["plan"]["refit"]["passes"] == plan.passes and meta["budget"]["actual_steps"] > 0

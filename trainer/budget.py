@@ -56,6 +56,7 @@ class Plan:
     rates: Rates
     fits: bool = True
     refit: dict | None = None  # after capture: passes re-fitted to the measured time and the real data
+    step_refits: list[dict] = field(default_factory=list)  # in the loop: steps re-fitted to the loop's own rate
 
 
     def line(self) -> str:
@@ -289,6 +290,73 @@ def refit_after_capture(plan: Plan | None, cfg: Any, d: Any, run_dir: Path, elap
     log(f"plan after capture: {plan.passes:g} passes, {plan.steps} steps over {samples} samples ({tokens / 1000:.0f}k "
         f"tokens), {plan.refit['elapsed_s'] / 60:.1f} min spent, est. {plan.refit['est_total_s'] / 60:.1f} min in all")
     return plan
+
+
+STEP_REFIT_AT = (0.05, 0.5)  # shares of the planned steps after which the loop re-fits its step count
+
+
+def refit_steps(step: int, elapsed_s: float, budget_s: float, s_per_step: float, eval_s: float, save_s: float,
+                eval_every: int, save_every: int, most: int) -> int:
+    """Total steps that end by `budget_s` * SAFETY, `step` done after `elapsed_s`: each further step costs
+    its measured seconds plus its share of the evaluations and checkpoints, and the final draft one save.
+    Between step + 1 and `most` (the passes cap)."""
+    per = s_per_step + (eval_s / eval_every if eval_every else 0.0) + (save_s / save_every if save_every else 0.0)
+    left = budget_s * SAFETY - elapsed_s - eval_s - 2 * save_s  # the last eval, checkpoint and final draft
+    return int(min(max(step + 1, step + math.floor(max(left, 0.0) / max(per, 1e-9))), max(most, step + 1)))
+
+
+class StepClock:
+    """Re-fits the step count from the loop's own rate at STEP_REFIT_AT of the plan, with the schedule
+    rebuilt on the new total. Why: the probe's few steps read the train rate high (dflash_smollm2:
+    591 tokens/s probed, ~440 over the run, which ended 10% over budget), and only the loop sees the
+    rate of a whole run: all lengths, a warm heap, evals and checkpoints. Refits are stored in plan.json,
+    so a resumed run keeps the total; only a run that started at step 0 measures (its clock is the run's)."""
+
+    def __init__(self, plan: Plan | None, cfg: Any, total_steps: int, step: int, most: int) -> None:
+        self.plan, self.most = plan, most
+        self.total = plan.step_refits[-1]["steps"] if plan is not None and plan.step_refits else total_steps
+        self.active = plan is not None and step == 0 and "train.epochs" in plan.chosen
+        self.planned = total_steps
+        self.eval_every, self.save_every = cfg.train.eval_every, cfg.train.save_every
+        self.eval_samples = shape_of(cfg).eval_samples
+        self.t0 = time.perf_counter()
+        self.side = {"eval": [0.0, 0], "save": [0.0, 0]}  # seconds and count of evals / checkpoints
+
+    def spent(self, kind: str, seconds: float) -> None:
+        self.side[kind][0] += seconds
+        self.side[kind][1] += 1
+
+    def due(self, step: int) -> bool:
+        done = len(self.plan.step_refits) if self.plan is not None else 0
+        return self.active and done < len(STEP_REFIT_AT) and step >= max(2, STEP_REFIT_AT[done] * self.planned)
+
+    def refit(self, step: int, elapsed_s: float, d: Any, run_dir: Path, log: Callable = print) -> int:
+        """The new total (the same on every rank: rank 0 decides and stores it, the others read it)."""
+        from drafthead.io import atomic_write_json
+        from trainer import engine as L
+
+        assert self.plan is not None
+        if d.main:
+            r = self.plan.rates
+            loop_s = time.perf_counter() - self.t0 - self.side["eval"][0] - self.side["save"][0]
+            est_eval = self.eval_samples * r.tokens_per_sample / r.eval_tok_s
+            eval_s = self.side["eval"][0] / self.side["eval"][1] if self.side["eval"][1] else est_eval
+            save_s = self.side["save"][0] / self.side["save"][1] if self.side["save"][1] else r.save_s
+            total = refit_steps(step, elapsed_s, self.plan.budget_s, loop_s / step, eval_s, save_s, self.eval_every,
+                                self.save_every, self.most)
+            self.plan.step_refits.append({"at_step": step, "steps": total, "s_per_step": round(loop_s / step, 4),
+                                          "eval_s": round(eval_s, 2), "save_s": round(save_s, 2),
+                                          "elapsed_s": round(elapsed_s, 1)})
+            atomic_write_json(run_dir / PLAN_FILE, self.plan.to_dict())
+        L.barrier(d)
+        self.plan = load_plan(run_dir)
+        assert self.plan is not None
+        last = self.plan.step_refits[-1]
+        if last["steps"] != self.total:
+            log(f"\nbudget: {last['s_per_step']:.2f} s a step measured over {step} steps; {last['steps']} steps "
+                f"(was {self.total}) end the run in budget")
+        self.total = last["steps"]
+        return self.total
 
 
 def load_plan(run_dir: Path) -> Plan | None:

@@ -162,8 +162,8 @@ def autocast(dtype: str, device: torch.device, engine_kind: str):
 
 # ---------------------------------------------------------------------------------------------
 # optimizer, schedule, wrapping
-def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
-    warm = max(1, int(round(total_steps * warmup_ratio)))
+def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float, warm: int | None = None):
+    warm = warm if warm is not None else max(1, int(round(total_steps * warmup_ratio)))
 
     def f(step: int) -> float:
         if step < warm:
@@ -171,6 +171,20 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float):
         prog = min(1.0, (step - warm) / max(1, total_steps - warm))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * prog))
     return f
+
+
+def make_schedule(opt: torch.optim.Optimizer, total_steps: int, cfg: RunConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.train.warmup_ratio,
+                                                             cfg.train.min_lr_ratio))
+    sched.warm_steps = max(1, int(round(total_steps * cfg.train.warmup_ratio)))
+    return sched
+
+
+def set_total_steps(sched: torch.optim.lr_scheduler.LambdaLR, total_steps: int, cfg: RunConfig) -> None:
+    """The cosine now ends at `total_steps` (the budget's re-fit); the warm-up keeps the length it had
+    from the first total, since it may be over already. The next scheduler step reads the new curve."""
+    sched.lr_lambdas = [lr_lambda(total_steps, cfg.train.warmup_ratio, cfg.train.min_lr_ratio, sched.warm_steps)
+                        for _ in sched.lr_lambdas]
 
 
 class TorchEngine:
@@ -181,6 +195,7 @@ class TorchEngine:
     def __init__(self, model: nn.Module, cfg: RunConfig, total_steps: int, d: Dist) -> None:
         self.module = model
         self.d = d
+        self.cfg = cfg
         self.model = model
         if d.world > 1:
             self.model = nn.parallel.DistributedDataParallel(
@@ -188,8 +203,7 @@ class TorchEngine:
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                      weight_decay=cfg.train.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lr_lambda(total_steps, cfg.train.warmup_ratio, cfg.train.min_lr_ratio))
+        self.sched = make_schedule(self.opt, total_steps, cfg)
         self.clip = cfg.train.grad_clip
         self.accum = cfg.train.grad_accum
         self.micro = 0
@@ -217,6 +231,9 @@ class TorchEngine:
 
     def lr(self) -> float:
         return self.sched.get_last_lr()[0]
+
+    def set_total_steps(self, total_steps: int) -> None:
+        set_total_steps(self.sched, total_steps, self.cfg)
 
     def save(self, folder: Path) -> None:
         if self.d.main:
@@ -248,6 +265,7 @@ class DeepSpeedEngine:
         import deepspeed
 
         self.d = d
+        self.cfg = cfg
         self.module = model
         ds = resolve_deepspeed_config(cfg.train.deepspeed)
         ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
@@ -259,8 +277,7 @@ class DeepSpeedEngine:
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                 weight_decay=cfg.train.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(total_steps, cfg.train.warmup_ratio, cfg.train.min_lr_ratio))
+        sched = make_schedule(opt, total_steps, cfg)
         self.engine, self.opt, _, self.sched = deepspeed.initialize(
             model=model, model_parameters=params, optimizer=opt, lr_scheduler=sched, config=ds,
             dist_init_required=d.world > 1 and not dist.is_initialized())
@@ -278,6 +295,9 @@ class DeepSpeedEngine:
 
     def lr(self) -> float:
         return self.sched.get_last_lr()[0]
+
+    def set_total_steps(self, total_steps: int) -> None:
+        set_total_steps(self.sched, total_steps, self.cfg)
 
     def save(self, folder: Path) -> None:
         self.engine.save_checkpoint(str(folder), tag="deepspeed")

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from drafthead.dflash import DflashConfig
 from drafthead.export.common import (ExportError, TargetInfo, cast_state, check_gguf_out, resolve_target,
                                      write_hf_dir)
-from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, encode_tensor, write_atomic
+from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, write_atomic, write_tensors
 from drafthead.registry import LoadedDraft
 
 ARCH = "dflash"
@@ -205,13 +205,7 @@ def write_gguf(draft: LoadedDraft, target: TargetInfo, path: Path, outtype: str)
                     sub_type=gguf.GGUFValueType.INT32)  # llama.cpp extracts layer INPUTS: ours + 1
     copy_tokenizer(target.gguf_path, w)
     w.add_uint32("tokenizer.ggml.mask_token_id", cfg.mask_token_id)
-    for name, t in gguf_tensors(draft.state, cfg.num_hidden_layers).items():
-        arr, raw = encode_tensor(name, t, outtype)
-        w.add_tensor(name, arr, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors(w, gguf_tensors(draft.state, cfg.num_hidden_layers), outtype)
 
 
 def to_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,

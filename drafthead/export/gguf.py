@@ -144,6 +144,17 @@ def copy_tokenizer(target_gguf: Path, writer) -> int:
     return n
 
 
+def write_tensors(w, tensors: dict[str, torch.Tensor], outtype: str) -> None:
+    """Add `tensors` (llama.cpp names) encoded as `outtype`, then write the header, keys and tensors and close."""
+    for name, t in tensors.items():
+        arr, raw = encode_tensor(name, t, outtype)
+        w.add_tensor(name, arr, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = "f32") -> None:
     """Write the file (not atomic; `export` wraps it)."""
     import gguf
@@ -156,13 +167,7 @@ def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = 
     w.add_uint32(f"{ARCH}.target_hidden_size", cfg.target_hidden_size)
     w.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
     copy_tokenizer(target.gguf_path, w)
-    for name, t in gguf_tensors(src).items():
-        arr, raw = encode_tensor(name, t, outtype)
-        w.add_tensor(name, arr, raw_dtype=raw)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tensors(w, gguf_tensors(src), outtype)
 
 
 def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:

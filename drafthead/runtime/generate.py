@@ -51,6 +51,9 @@ class SpecConfig:
     ngram_n: int = 3  # match length for prompt lookup
     seed: int = 0
     batch_size: int = 1  # requests verified together
+    # chain: a request stops drafting for the round once the draft's top probability falls below this
+    # (drafters that support it: the LoRA self-drafter); 0 = off
+    draft_stop_prob: float = 0.0
 
 
 @dataclass
@@ -101,7 +104,10 @@ class SpeculativeGenerator:
         self.device = torch.device(device)
         self.drafter = drafter.to(self.device).eval() if drafter is not None else None
         # bf16 drafts on CPU draft through the packed decode kernel (a copy; the drafter passed in is untouched)
-        self.draft_model = cpu_linear.with_packed_linears(self.drafter) if drafter is not None else None
+        # (a drafter that runs through the target's own runtime layers gives its own `runtime_module`)
+        self.draft_model = None if drafter is None else (
+            self.drafter.runtime_module() if hasattr(self.drafter, "runtime_module")
+            else cpu_linear.with_packed_linears(self.drafter))
         aux = check_drafter(drafter, target.config) if drafter is not None else []
         last = drafter is not None and drafter.features == "last"
         self.model = TargetModel(target.model.to(self.device), aux, capture_last=last)
@@ -197,6 +203,8 @@ class _Session:
         self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
         self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached
         self.draft = g.draft_model.draft_state(B, self.capacity, self.dev) if self.use_drafter else None
+        if self.draft is not None and hasattr(self.draft, "bind"):  # drafts through the target's layers and cache
+            self.draft.bind(g.model, self)
         # adaptive draft length per request: EMA of accept_len, k = round(ema) + 1
         self.ema = torch.full((B,), (self.max_len - 1) / 2, device=self.dev)
 
@@ -325,7 +333,9 @@ class _Session:
                                   torch.zeros(B, dtype=torch.long, device=self.dev))
             lengths = lengths * 0
         elif spec.mode == "chain":
-            drafts, q = self.draft.chain(int(lengths.max()), spec.temperature, spec.top_p, self.gen)
+            drafts, q, *cut = self.draft.chain(int(lengths.max()), spec.temperature, spec.top_p, self.gen)
+            if cut:  # the drafter stopped some requests early (its confidence stop)
+                lengths = torch.minimum(lengths, cut[0])
             prop = chain_proposal(self.roots, drafts, lengths, q)
         elif spec.mode == "block":  # one draft forward proposes every slot at once
             drafts, q = self.draft.block(self.roots, int(lengths.max()), spec.temperature, spec.top_p, self.gen)

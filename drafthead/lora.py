@@ -1,0 +1,431 @@
+"""LoRA self-drafter: the target drafts for itself through an early exit.
+
+Draft = the target's own first E decoder layers (frozen and untouched, so their KV cache is the target's)
+-> an exit block (a copy of the target's layers E..E+n-1 carrying peft LoRA adapters) -> the target's final
+norm and lm_head. Training reads the hidden state at the input of layer E (the capture's aux feature) and
+distils the target's next-token distribution over the full vocabulary. Only the adapters are trained and
+saved; every other tensor is the target's, taken back from it on load (`target_tensors`, `attach_target`).
+
+Why an early exit: the draft's cost is E+n layers plus the head, so the exit depth is what makes it pay
+(Kangaroo exits after layer 2 of 32; a full-depth LoRA draft gives no speedup, PEFT-BD).
+
+Runtime (`SelfDraftRunner`): a draft step runs the target's layers < E on the target's own KV cache,
+writing past the verified length (the verify forward rewrites those slots with the same tokens), then the
+exit block on its own small cache, which holds the verified prefix (extended from the verify's layer-E
+features) and this round's speculative entries past it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drafthead.family import Family
+from drafthead.layers import apply_rope, shift, soft_cross_entropy
+
+ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # model_type -> transformers class prefix
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraOptions:
+    """`drafter.lora.*`: where the draft exits and what the adapters cover."""
+    exit_layer: int = 4  # E: the draft runs the target's layers 0..E-1, then the exit block
+    num_exit_layers: int = 1  # n: the exit block copies the target's layers E..E+n-1
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(MODULES))  # projections with adapters
+    lora_head: bool = False  # an adapter on the (otherwise frozen) lm_head too
+
+    def validate(self) -> None:
+        if self.exit_layer < 0:
+            raise ValueError(f"exit_layer: {self.exit_layer} (must be >= 0)")
+        if self.num_exit_layers < 1:
+            raise ValueError(f"num_exit_layers: {self.num_exit_layers} (must be >= 1)")
+        if self.rank < 1:
+            raise ValueError(f"rank: {self.rank} (must be >= 1)")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout: {self.dropout} (must be in [0, 1))")
+        bad = sorted(set(self.target_modules) - set(MODULES))
+        if bad or not self.target_modules:
+            raise ValueError(f"target_modules: {bad or 'empty'} (choose from {', '.join(MODULES)})")
+
+
+@dataclass
+class LoraDraftConfig:
+    exit_layer: int
+    num_exit_layers: int
+    rank: int
+    alpha: float
+    target_modules: list[str]
+    lora_head: bool
+    target_config: dict  # the target's HF config: the exit block is its architecture, layer for layer
+    dropout: float = 0.0
+    num_draft_tokens: int = 1  # depths one training forward reports (the next token)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def model_type(self) -> str:
+        return self.target_config["model_type"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target_config["vocab_size"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.target_config["hidden_size"]
+
+    @property
+    def draft_vocab_size(self) -> int:  # the full vocabulary (the runtime's name for what the draft predicts)
+        return self.vocab_size
+
+    def hf_config(self) -> Any:
+        from transformers import AutoConfig
+
+        return AutoConfig.for_model(**self.target_config)
+
+
+def arch_class(model_type: str, suffix: str) -> type:
+    """transformers' `<Arch><suffix>` class (DecoderLayer, RMSNorm, RotaryEmbedding) of a target."""
+    if model_type not in ARCHS:
+        raise ValueError(f"the LoRA self-drafter supports {', '.join(ARCHS)} targets, not {model_type!r}")
+    mod = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    return getattr(mod, ARCHS[model_type] + suffix)
+
+
+def layer_forward(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """One pre-norm decoder layer of the target's architecture with causal attention over h [B, T, H]
+    (the module's own projections: peft-wrapped ones add their adapters). cos/sin [B, 1, T, D]."""
+    B, T, _ = h.shape
+    attn = layer.self_attn
+    D = attn.head_dim
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(B, T, -1, D)  # [B, T, h, D]
+    k = attn.k_proj(x).view(B, T, -1, D)  # [B, T, kvh, D]
+    v = attn.v_proj(x).view(B, T, -1, D).transpose(1, 2)  # [B, kvh, T, D]
+    if hasattr(attn, "q_norm"):  # Qwen3
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)  # [B, h, T, D]
+    h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def lora_pattern(target_modules: list[str], lora_head: bool) -> str:
+    """peft's `target_modules` as a full-match regex: the chosen projections of the exit layers only."""
+    mods = "|".join(target_modules)
+    return rf"layers\.\d+\.(self_attn|mlp)\.({mods})" + (r"|target_lm_head" if lora_head else "")
+
+
+class LoraDrafter(nn.Module):
+    """Exit block (the target's layers E..E+n-1 with LoRA) + the target's final norm and lm_head."""
+
+    family = "lora"
+    features = "aux"  # the input of layer E, which the verify forward captures
+    draft_modes = ("chain",)
+
+    def __init__(self, config: LoraDraftConfig) -> None:
+        super().__init__()
+        from peft import LoraConfig, inject_adapter_in_model
+
+        self.config = c = config
+        tc = c.hf_config()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        layer_cls = arch_class(c.model_type, "DecoderLayer")
+        self.layers = nn.ModuleList([layer_cls(tc, c.exit_layer + j) for j in range(c.num_exit_layers)])
+        self.norm = arch_class(c.model_type, "RMSNorm")(c.hidden_size, eps=tc.rms_norm_eps)
+        self.target_lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.rotary = arch_class(c.model_type, "RotaryEmbedding")(config=tc)
+        inject_adapter_in_model(LoraConfig(r=c.rank, lora_alpha=c.alpha, lora_dropout=c.dropout, bias="none",
+                                           target_modules=lora_pattern(c.target_modules, c.lora_head)), self)
+        for name, p in self.named_parameters():
+            p.requires_grad_(".lora_" in name)
+
+    # ---- what is the target's ------------------------------------------------------------------
+    def target_tensors(self) -> dict[str, str]:
+        """Every state tensor that is the target's (not saved, taken back on load) -> its name in the
+        target's state dict. What is left is the adapters."""
+        E = self.config.exit_layer
+        out = {}
+        for k in self.state_dict():
+            if ".lora_" in k:
+                continue
+            plain = k.replace(".base_layer.", ".")
+            if plain.startswith("layers."):
+                j, rest = plain.split(".", 2)[1:]
+                out[k] = f"model.layers.{E + int(j)}.{rest}"
+            elif plain == "target_lm_head.weight":
+                out[k] = "lm_head.weight"
+            else:  # embed_tokens, norm
+                out[k] = f"model.{plain}"
+        return out
+
+    @torch.no_grad()
+    def attach_target(self, target_model: nn.Module, share: bool = False) -> None:
+        """Fill the target's tensors in. `share`: the drafter holds the target's own (frozen) tensors, so
+        training keeps one copy in memory; otherwise copies (the runtime merges adapters into its copies)."""
+        from drafthead.target import base_model, decoder_layers, lm_head_weight
+
+        layers, base = decoder_layers(target_model), base_model(target_model)
+        E, n = self.config.exit_layer, self.config.num_exit_layers
+        if E + n > len(layers):
+            raise ValueError(f"exit block layers {E}..{E + n - 1} are past the target's {len(layers)} layers")
+        src = {"embed_tokens.weight": target_model.get_input_embeddings().weight,
+               "norm.weight": base.norm.weight, "target_lm_head.weight": lm_head_weight(target_model)}
+        for j in range(n):
+            src.update({f"layers.{j}.{k}": v for k, v in layers[E + j].state_dict(keep_vars=True).items()})
+        for name in self.target_tensors():
+            t = src.get(name.replace(".base_layer.", "."))
+            if t is None:
+                raise ValueError(f"the target has no tensor for the draft's {name} (architecture mismatch)")
+            mod_name, attr = name.rsplit(".", 1)
+            mod = self.get_submodule(mod_name)
+            old = getattr(mod, attr)
+            if tuple(old.shape) != tuple(t.shape):
+                raise ValueError(f"target tensor for {name} is {tuple(t.shape)}, the draft's is {tuple(old.shape)}")
+            if share:
+                setattr(mod, attr, nn.Parameter(t.detach(), requires_grad=False))
+            else:
+                if old.is_meta or old.dtype != t.dtype:
+                    setattr(mod, attr, nn.Parameter(t.detach().clone(), requires_grad=False))
+                else:
+                    old.copy_(t)
+
+    # ---- training ------------------------------------------------------------------------------
+    def capture_layer_ids(self) -> list[int]:
+        return [self.config.exit_layer]
+
+    def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx  # full vocabulary
+
+    def check_target(self, tcfg: Any) -> list[str]:
+        c, out = self.config, []
+        for key in ("model_type", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads"):
+            if getattr(tcfg, key, None) != c.target_config.get(key):
+                out.append(f"{key}: target {getattr(tcfg, key, None)}, draft {c.target_config.get(key)}")
+        if tcfg.num_hidden_layers < c.exit_layer + c.num_exit_layers:
+            out.append(f"the exit block needs {c.exit_layer + c.num_exit_layers} target layers, the target has "
+                       f"{tcfg.num_hidden_layers}")
+        return out
+
+    def exit_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Exit block + final norm over h [B, T, H] (the input of layer E), causal, positions 0..T-1."""
+        B, T, _ = h.shape
+        pos = torch.arange(T, device=h.device)[None].expand(B, T)
+        cos, sin = self.rotary(h, pos)  # [B, T, D] each
+        cos, sin = cos[:, None].to(h.dtype), sin[:, None].to(h.dtype)
+        for layer in self.layers:
+            h = layer_forward(layer, h, cos, sin)
+        return self.norm(h)  # [B, T, H]
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None
+                ) -> dict[str, torch.Tensor]:
+        """Soft cross-entropy against the target's next-token distribution at every position whose next
+        token is an assistant token. aux_hidden [B, T, H] the input of layer E; teacher_probs [B, T, V]
+        (full vocabulary, position t predicts x_{t+1}); target_argmax [B, T]."""
+        c = self.config
+        if teacher_probs.shape[-1] != c.vocab_size:
+            raise ValueError(f"LoRA teacher probabilities must cover the full target vocab ({c.vocab_size}), got "
+                             f"{teacher_probs.shape[-1]}")
+        mask = shift(loss_mask, 1).bool()  # [B, T] x_{t+1} is an assistant token
+        out = self.exit_hidden(aux_hidden.to(self.norm.weight.dtype))  # [B, T, H]
+        b_i, t_i = mask.nonzero(as_tuple=True)
+        logits = self.target_lm_head(out[b_i, t_i])  # [M, V]
+        tgt = target_argmax[b_i, t_i]  # [M]
+        ce = soft_cross_entropy(logits, teacher_probs[b_i, t_i])  # [M]
+        loss = (ce * (tgt >= 0)).sum() / max(int(b_i.numel()), 1)
+        correct = (logits.detach().max(-1).indices == tgt).sum().float()
+        return {"loss": loss, "step_loss": loss.detach()[None], "correct": correct[None],
+                "count": torch.tensor([float(b_i.numel())], device=loss.device)}
+
+    # ---- runtime -------------------------------------------------------------------------------
+    def merged(self) -> "LoraDrafter":
+        """A copy with every adapter merged into its own copy of the base weight (plain Linear layers): what
+        the runtime drafts with and the standalone export writes. The target's tensors are not touched."""
+        from peft.tuners.lora import LoraLayer
+
+        if not any(isinstance(mod, LoraLayer) for mod in self.modules()):
+            return self
+        out = copy.copy(self)  # shallow: embed / norm / rotary stay shared (frozen, read-only)
+        out._modules = dict(self._modules)
+        out.layers = copy.deepcopy(self.layers)
+        if self.config.lora_head:
+            out.target_lm_head = copy.deepcopy(self.target_lm_head)
+        for root in ([out.layers] + ([out] if self.config.lora_head else [])):
+            for name, mod in list(root.named_modules()):
+                if isinstance(mod, LoraLayer) and name:
+                    mod.merge()
+                    parent, child = name.rsplit(".", 1) if "." in name else ("", name)
+                    setattr(root.get_submodule(parent) if parent else root, child, mod.get_base_layer())
+        return out
+
+    def runtime_module(self) -> "LoraDrafter":
+        """What the runtime drafts with: the adapters merged (its projections then run through the target
+        runtime's own kernels, see `SelfDraftRunner`)."""
+        return self.merged().eval()
+
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> "SelfDraftRunner":
+        return SelfDraftRunner(self.merged(), batch, capacity, device)
+
+
+class SelfDraftRunner:
+    """Drafting state of a batch. `bind` (called by the runtime with the target's runtime model and the
+    session) gives it the target's layers and KV cache; the exit block keeps its own cache.
+
+    stop_prob (> 0): a request stops drafting for the round once the draft's top probability falls below it
+    (the confidence stop); the round's proposal then has fewer tokens for that request."""
+
+    def __init__(self, drafter: LoraDrafter, batch: int, capacity: int, device: torch.device) -> None:
+        c = drafter.config
+        self.drafter = drafter
+        self.n = c.num_exit_layers
+        self.capacity, self.batch, self.device = capacity, batch, device
+        self.exit_cache: torch.Tensor | None = None  # [B, n*2*kvh, S, D], made at bind (the target's layout)
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # verified prefix entries per request
+        self.model: Any = None
+        self.session: Any = None
+        self.stop_prob = 0.0
+
+    def bind(self, model: Any, session: Any) -> None:
+        """The target's runtime model (`TargetModel`: its layers, block math and KV layout) and the session
+        (its current `cache` and `lens`; both change as requests leave the batch)."""
+        self.model, self.session = model, session
+        self.exit_cache = torch.zeros(self.batch, self.n * 2 * model.num_kv_heads, self.capacity, model.head_dim,
+                                      dtype=model.dtype, device=self.device)
+        self.stop_prob = float(getattr(session.spec, "draft_stop_prob", 0.0) or 0.0)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.exit_cache, self.lens = self.exit_cache[rows], self.lens[rows]
+
+    def _exit(self, h: torch.Tensor, lens: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """Exit block over h [B, T, H] at positions lens.., writing the exit cache there; -> final-norm hidden."""
+        from drafthead.runtime.model import attention_mask, rms_norm
+
+        m, T = self.model, h.shape[1]
+        S = self.exit_cache.shape[2]
+        pos = lens[:, None] + torch.arange(T, device=h.device)  # [B, T]
+        cos, sin = m.base.rotary_emb(h, position_ids=pos)
+        cos, sin = cos[:, None], sin[:, None]
+        start = int(lens[0]) if bool((lens == lens[0]).all()) else None
+        mask = attention_mask(lens, T, S, None)
+        for j, layer in enumerate(self.drafter.layers):
+            h = m.block(j, layer, h, cos, sin, self.exit_cache, pos, start, S, mask, prefill)
+        return rms_norm(self.drafter.norm, h)
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
+        """Verified entries: feats [B, T, H] = the input of layer E at the next T positions (counts[b]
+        valid). `tokens` are not read: the feature already is the token's, after the shallow layers."""
+        T = feats.shape[1]
+        if int((self.lens + counts).max()) > self.exit_cache.shape[2]:
+            raise ValueError(f"draft context overflow: {int((self.lens + counts).max())} > capacity "
+                             f"{self.exit_cache.shape[2]}")
+        # padding past counts[b] lands past the verified prefix, where the next round writes over it
+        self._exit(feats.to(self.model.dtype), self.lens, prefill=T > 1)
+        self.lens = self.lens + counts
+
+    @torch.inference_mode()
+    def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """k draft steps from the session's roots: each runs the target's layers < E on the target's cache
+        (past its verified length) and the exit block. Returns (drafts [B, k], q [B, k, V] | None, lengths
+        [B]: drafts each request keeps, k unless the confidence stop cut it)."""
+        from drafthead.runtime.model import attention_mask
+        from drafthead.runtime.sampling import probs, sample
+
+        m, s, d = self.model, self.session, self.drafter
+        E = d.config.exit_layer
+        head = d.target_lm_head if d.config.lora_head else m.model.lm_head  # the target's own when untouched
+        x, base = s.roots, s.lens  # [B] the last accepted token, the target's verified length
+        B, dev = x.shape[0], x.device
+        S = s.cache.shape[2]
+        drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
+        qs = [] if temperature > 0 else None
+        lengths = torch.full((B,), k, dtype=torch.long, device=dev)
+        live = torch.ones(B, dtype=torch.bool, device=dev)
+        for j in range(k):
+            lens = base + j
+            h = m.base.embed_tokens(x[:, None])  # [B, 1, H]
+            pos = lens[:, None]
+            cos, sin = m.base.rotary_emb(h, position_ids=pos)
+            cos, sin = cos[:, None], sin[:, None]
+            start = int(lens[0]) if bool((lens == lens[0]).all()) else None
+            mask = attention_mask(lens, 1, S, None)
+            for i in range(E):
+                h = m.block(i, m.layers[i], h, cos, sin, s.cache, pos, start, S, mask)
+            h = self._exit(h, lens, prefill=False)  # [B, 1, H]
+            logits = m.linear(head, h)[:, 0].float()  # [B, V]
+            if temperature > 0:
+                p = probs(logits, temperature, top_p)  # [B, V]
+                x = sample(p, torch.rand(B, generator=gen, device=dev))
+                qs.append(p)
+                top = p.max(-1).values
+            else:
+                x = logits.argmax(-1)
+                top = torch.softmax(logits, -1).max(-1).values if self.stop_prob > 0 else None
+            drafts[:, j] = x
+            if self.stop_prob > 0:
+                stop = live & (top < self.stop_prob)
+                lengths = torch.where(stop, torch.full_like(lengths, j + 1), lengths)  # keep this draft, no more
+                live = live & ~stop
+                if not bool(live.any()):
+                    drafts = drafts[:, : j + 1]
+                    break
+        q = None if qs is None else torch.stack(qs, 1)  # [B, k, V]
+        return drafts, q, lengths.clamp(max=drafts.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the family record
+def build(tcfg: Any, options: LoraOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
+          ) -> LoraDraftConfig:
+    if tcfg.model_type not in ARCHS:
+        raise ValueError(f"the LoRA self-drafter supports {', '.join(ARCHS)} targets, not {tcfg.model_type!r}")
+    if options.exit_layer + options.num_exit_layers > tcfg.num_hidden_layers:
+        raise ValueError(f"drafter.lora.exit_layer={options.exit_layer} + num_exit_layers={options.num_exit_layers} "
+                         f"is past the target's {tcfg.num_hidden_layers} layers")
+    if layer_ids not in (None, [options.exit_layer]):
+        raise ValueError(f"capture.layer_ids={layer_ids}: the LoRA self-drafter reads the input of its exit layer "
+                         f"[{options.exit_layer}] (leave capture.layer_ids null)")
+    d = tcfg.to_dict()
+    keep = {k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version",)}
+    return LoraDraftConfig(exit_layer=options.exit_layer, num_exit_layers=options.num_exit_layers, rank=options.rank,
+                           alpha=float(options.alpha), target_modules=list(options.target_modules),
+                           lora_head=options.lora_head, target_config=keep, dropout=options.dropout)
+
+
+def init(drafter: LoraDrafter, target: Any, options: LoraOptions) -> str:
+    """The target's own tensors, shared (one copy in memory); the adapters start as peft makes them (B = 0:
+    the draft starts as the plain early exit after layer E+n-1)."""
+    drafter.attach_target(target.model, share=True)
+    c = drafter.config
+    return f"exit after layer {c.exit_layer + c.num_exit_layers - 1} (target layers shared, adapters fresh)"
+
+
+def describe(options: LoraOptions, config: LoraDraftConfig) -> str:
+    E, n = config.exit_layer, config.num_exit_layers
+    return (f"target layers 0..{E - 1} + exit block {E}..{E + n - 1} with LoRA r={config.rank} "
+            f"alpha={config.alpha:g} on {', '.join(config.target_modules)}{' + lm_head' if config.lora_head else ''}")
+
+
+FAMILY = Family(
+    name="lora", options=LoraOptions, config=LoraDraftConfig, model=LoraDrafter, build=build, init=init,
+    reduced_vocab=False, describe=describe,
+    exporters={"peft": "drafthead.export.lora:export_peft", "hf": "drafthead.export.lora:export_hf",
+               "gguf": "drafthead.export.lora:export_gguf"},
+    readers={"peft": "drafthead.export.lora:read_peft"},
+    no_reader={"hf": "the adapters are merged into a standalone model; tests/test_lora.py compares its logits "
+                     "with the draft's and runs it as HF generate's assistant_model",
+               "gguf": "the standalone model as a llama GGUF; tests/test_lora.py reads it back against the to=hf "
+                       "tensors and tests/test_llama_cpp_lora.py runs it as llama.cpp's -md draft"},
+)
