@@ -282,8 +282,8 @@ class SelfDraftRunner:
     """Drafting state of a batch. `bind` (called by the runtime with the target's runtime model and the
     session) gives it the target's layers and KV cache; the exit block keeps its own cache.
 
-    stop_prob (> 0): a request stops drafting for the round once the draft's top probability falls below it
-    (the confidence stop); the round's proposal then has fewer tokens for that request."""
+    stop_prob (> 0): a request stops drafting for the round at the first token whose draft probability is below
+    it (the confidence stop, llama.cpp's draft `p_min`); that token and later ones are not proposed."""
 
     def __init__(self, drafter: LoraDrafter, batch: int, capacity: int, device: torch.device) -> None:
         c = drafter.config
@@ -374,14 +374,14 @@ class SelfDraftRunner:
                 x = logits.argmax(-1)
                 top = torch.softmax(logits, -1).max(-1).values if self.stop_prob > 0 else None
             drafts[:, j] = x
-            if self.stop_prob > 0:
+            if self.stop_prob > 0:  # as llama.cpp's draft p_min: a token below it is not proposed
                 stop = live & (top < self.stop_prob)
-                lengths = torch.where(stop, torch.full_like(lengths, j + 1), lengths)  # keep this draft, no more
+                lengths = torch.where(stop, torch.full_like(lengths, j), lengths)
                 live = live & ~stop
                 if not bool(live.any()):
-                    drafts = drafts[:, : j + 1]
+                    drafts = drafts[:, : max(j, 1)]
                     break
-        q = None if qs is None else torch.stack(qs, 1)  # [B, k, V]
+        q = None if qs is None else torch.stack(qs, 1)[:, : drafts.shape[1]]  # [B, k, V]
         return drafts, q, lengths.clamp(max=drafts.shape[1])
 
 

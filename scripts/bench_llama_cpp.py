@@ -1,9 +1,11 @@
-"""llama.cpp with and without our draft (EAGLE3 or DFlash GGUF) on MT-Bench first turns (SmolLM2 chat template).
+"""llama.cpp with and without our draft (EAGLE3, DFlash or a LoRA self-draft's standalone GGUF) on MT-Bench first
+turns (SmolLM2 chat template).
 
     python scripts/bench_llama_cpp.py draft=runs/eagle3_smollm2/final            # a draft dir (exported here)
     python scripts/bench_llama_cpp.py draft=draft.gguf max_prompts=8 max_new_tokens=128 threads=2
     python scripts/bench_llama_cpp.py draft=... outtype=q8_0 n_draft=[1,2,3,4] out=bench_llama_cpp.json
     python scripts/bench_llama_cpp.py draft=runs/dflash_smollm2/final n_draft=[7]   # DFlash: n_draft = B-1
+    python scripts/bench_llama_cpp.py draft=runs/lora_smollm2/final p_min=0.75       # -md draft-simple
 
 Prints, for n_draft 1..4: llama.cpp's acceptance (n_accept / n_drafted), tau (tokens per verify round =
 accepted + 1) and decode tokens/s (llama.cpp's own timer), against the target alone; then llama.cpp's verify-cost curve
@@ -13,7 +15,8 @@ numbers (drafthead.runtime, the draft's first mode: chain for EAGLE3, block for 
 prompts) are printed beside when available, with the acceptance by draft position from both (llama.cpp's
 `#acc rate/pos`, read from a second, verbose pass: the share of verify rounds that accepted position i).
 llama.cpp drafts a DFlash block of n_draft + 1 positions; the draft was trained on blocks of B, so
-n_draft = B - 1 compares like with like.
+n_draft = B - 1 compares like with like. A standalone llama draft (LoRA) runs as draft-simple with
+`--spec-draft-p-min p_min` (0 by default: every position drafted, as our chain mode does).
 """
 from __future__ import annotations
 
@@ -33,8 +36,9 @@ from drafthead.export.llama_cpp import (chat_prompt, default_threads, llama_cpp_
 
 DEFAULTS = dict(draft=None, target="smollm2-135m-instruct", outtype="f32", max_prompts=8, max_new_tokens=128,
                 n_draft=[1, 2, 3, 4], threads=None, depth=256, verify_sizes=[1, 2, 3, 4, 5, 8], repetitions=5,
-                ours=True, by_position=True, out=None)
-SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # GGUF general.architecture -> --spec-type
+                ours=True, by_position=True, out=None, p_min=0.0)
+# GGUF general.architecture -> --spec-type ("llama": a standalone draft model, llama.cpp's classic -md draft)
+SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "llama": "draft-simple"}
 
 
 def spec_type(gguf: Path) -> str:
@@ -93,7 +97,8 @@ def predict_best(rows: dict[int, dict], curve: dict[int, float]) -> tuple[int | 
     return max(pred, key=pred.get), pred, draft_step
 
 
-def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], threads: int) -> dict | str:
+def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], threads: int, p_min: float = 0.0
+                 ) -> dict | str:
     """Our runtime (drafthead.runtime, the draft's first mode) on the same prompts and draft, when available."""
     if Path(draft).suffix == ".gguf":
         return "skipped: draft given as .gguf (needs the draft directory)"
@@ -112,7 +117,7 @@ def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], th
     mode = drafter.draft_modes[0]
     out: dict = {"mode": mode}
     for key, spec in [("ar", SpecConfig(mode="ar", temperature=0.0))] + \
-            [(k, SpecConfig(mode=mode, num_draft_tokens=k, temperature=0.0)) for k in ks]:
+            [(k, SpecConfig(mode=mode, num_draft_tokens=k, temperature=0.0, draft_stop_prob=p_min)) for k in ks]:
         gen.generate([ids[0]], 8, spec)  # warm-up
         tokens = rounds = 0
         accepts = []
@@ -153,6 +158,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dft = draft_gguf(str(cfg.draft), cfg.target, cfg.outtype, Path(tmp))
         st = spec_type(dft)
+        extra = ["--spec-draft-p-min", str(cfg.p_min)] if st == "draft-simple" else []
         print(f"llama.cpp: {bins}\ntarget: {tgt}\ndraft: {cfg.draft} -> {dft.name} (--spec-type {st})\n"
               f"{len(prompts)} MT-Bench first turns, max_new_tokens {cfg.max_new_tokens}, {cfg.threads} threads")
 
@@ -161,7 +167,7 @@ def main(argv: list[str]) -> int:
         rows: dict[int, dict] = {}
         first: list[str] | None = None  # texts of the first n_draft: every other n_draft must equal them
         for k in cfg.n_draft:
-            runs = [run_speculative(bins, tgt, dft, p, cfg.max_new_tokens, k, cfg.threads, spec_type=st)
+            runs = [run_speculative(bins, tgt, dft, p, cfg.max_new_tokens, k, cfg.threads, spec_type=st, extra=extra)
                     for p in prompts]
             drafted, accepted = sum(r.n_drafted for r in runs), sum(r.n_accept for r in runs)
             decoded, secs = sum(r.n_decoded for r in runs), sum(r.decode_s for r in runs)
@@ -173,13 +179,13 @@ def main(argv: list[str]) -> int:
                        "same_across_n_draft": sum(_prefix_equal(r.text, t) for r, t in zip(runs, first))}
             if cfg.by_position:  # a verbose pass (slower: its timings are not used) for llama.cpp's per-position counts
                 pos = [run_speculative(bins, tgt, dft, p, cfg.max_new_tokens, k, cfg.threads, spec_type=st,
-                                       verbose=True).accept_by_pos for p in prompts]
+                                       verbose=True, extra=extra).accept_by_pos for p in prompts]
                 pos = [x + [0.0] * (k - len(x)) for x in pos if x is not None]
                 rows[k]["accept_by_position"] = [sum(c) / len(c) for c in zip(*pos)] if pos else None
         curve = verify_cost(bins, tgt, list(cfg.verify_sizes), cfg.depth, cfg.threads, cfg.repetitions)
     best, pred, draft_step = predict_best(rows, curve)
-    ours = ours_runtime(str(cfg.draft), prompts, cfg.max_new_tokens, list(cfg.n_draft), cfg.threads) if cfg.ours \
-        else "skipped: ours=false"
+    ours = ours_runtime(str(cfg.draft), prompts, cfg.max_new_tokens, list(cfg.n_draft), cfg.threads,
+                        cfg.p_min) if cfg.ours else "skipped: ours=false"
 
     f = lambda x, nd=2: "n/a" if x is None else f"{x:.{nd}f}"  # noqa: E731
     print(f"\nCPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()}), {cfg.threads} threads")

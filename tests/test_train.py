@@ -420,3 +420,25 @@ def test_real_smollm2_dflash_recipe_smoke(tmp_path):
     assert meta["family"] == "dflash" and meta["draft"]["target_layer_ids"] == [1, 14, 27]
     assert "target_lm_head.weight" not in weights(run / "final")
     assert any("eval/block_accept_len" in r for r in metrics(run))
+
+
+@pytest.mark.slow
+def test_real_smollm2_lora_recipe_smoke(tmp_path):
+    """lora_smollm2 end to end on the real target: the exit block is layer 2 with adapters, final/ holds the
+    adapters alone, and the draft loads back on the target and drafts losslessly in our runtime."""
+    from drafthead.registry import load_draft
+    from drafthead.runtime import SpecConfig, SpeculativeGenerator
+    from drafthead.target import load_target
+
+    run, p = train_real_smollm2(tmp_path, "lora_smollm2", steps=3)
+    assert "exit after layer 2 (target layers shared, adapters fresh)" in p.stdout
+    meta = read_draft_config(run / "final")
+    assert meta["family"] == "lora" and meta["draft"]["exit_layer"] == 2 and meta["draft"]["rank"] == 32
+    names = weights(run / "final")
+    assert names and all(".lora_A." in k or ".lora_B." in k for k in names)
+    target = load_target("smollm2-135m-instruct", dtype="float32")
+    draft = load_draft(run / "final", target=target.model)
+    prompt = target.tokenizer("The capital of France is", add_special_tokens=False).input_ids
+    gen = SpeculativeGenerator(target, draft)
+    ar = gen.generate([prompt], 24, SpecConfig(mode="ar"))[0].tokens
+    assert gen.generate([prompt], 24, SpecConfig(mode="chain", num_draft_tokens=3))[0].tokens == ar

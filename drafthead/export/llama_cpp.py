@@ -111,14 +111,14 @@ def run_target(bins: Path, model: Path, prompt: str, n_predict: int, threads: in
 
 def run_speculative(bins: Path, target: Path, draft: Path, prompt: str, n_predict: int, n_draft: int = 3,
                     threads: int = 2, timeout: float = 600, verbose: bool = False, poll: int | None = None,
-                    spec_type: str = "draft-eagle3") -> Run:
+                    spec_type: str = "draft-eagle3", extra: list[str] | tuple[str, ...] = ()) -> Run:
     """llama-speculative-simple with our draft (`spec_type` draft-eagle3 | draft-dflash | draft-simple);
     returns text and llama.cpp's own counters. `verbose` keeps the model-loading log and the per-position
-    statistics (-lv 4), e.g. `load_arch_hparams: EAGLE3 extract_layers = [..]`."""
+    statistics (-lv 4), e.g. `load_arch_hparams: EAGLE3 extract_layers = [..]`; `extra` more arguments."""
     res = _run([str(bins / "llama-speculative-simple"), "-m", str(target), "-md", str(draft),
                 "--spec-type", spec_type, "--spec-draft-n-max", str(n_draft), "-p", prompt,
                 "-n", str(n_predict), "-t", str(threads), "-td", str(threads), *COMMON, *_poll(poll),
-                *(["-lv", "4"] if verbose else [])], timeout)
+                *(["-lv", "4"] if verbose else []), *extra], timeout)
     # stdout: "\n\n" + prompt pieces + generated pieces + "\n\n" + "\n\n"
     body = res.stdout.removeprefix("\n\n").removesuffix("\n\n\n\n")
     if not body.startswith(prompt):

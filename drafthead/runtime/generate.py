@@ -51,8 +51,8 @@ class SpecConfig:
     ngram_n: int = 3  # match length for prompt lookup
     seed: int = 0
     batch_size: int = 1  # requests verified together
-    # chain: a request stops drafting for the round once the draft's top probability falls below this
-    # (drafters that support it: the LoRA self-drafter); 0 = off
+    # chain: a request's drafts for the round end before the first token whose draft probability is below
+    # this (llama.cpp's draft p_min; drafters that support it: the LoRA self-drafter); 0 = off
     draft_stop_prob: float = 0.0
 
 

@@ -1,0 +1,138 @@
+"""llama.cpp runs our LoRA self-draft as its classic standalone draft (`-md draft.gguf`, draft-simple) with the
+SmolLM2 target (slow: builds llama.cpp once; then a few minutes).
+
+Flow: the SmolLM2 target alone (llama-completion, greedy) continues a few chat prompts; a LoRA self-draft
+(the recipe's shape: the target's layers 0-1, then layer 2 with adapters) is trained in-process on those
+continuations, exported with `to=gguf` (the merged standalone model, 3 layers) and run with
+`llama-speculative-simple -md`. Checked: the text equals the target alone for the trained draft and for the
+untrained one (the plain early exit); acceptance of the trained draft is far above the untrained one's; and
+llama.cpp's acceptance for each draft is within 10% of our runtime's (chain mode, the same number of drafts,
+the same prompts). Tokens/s beside llama.cpp alone are printed (docs/benchmarks.md), not asserted.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from drafthead.assets import asset_path
+from drafthead.export import export
+from drafthead.export import llama_cpp as lc
+from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
+from drafthead.lora import LoraDrafter, LoraOptions, build
+from drafthead.registry import save_draft
+from drafthead.runtime import SpecConfig, SpeculativeGenerator
+from drafthead.target import capture, load_target
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France? Answer in two sentences.",
+    "Write a short poem about the sea.",
+    "Give three tips for staying healthy.",
+]
+N_PREDICT = 48
+N_DRAFT = 3
+EXIT = 2  # recipes/lora_smollm2.yaml
+STEPS = 150
+THREADS = default_threads()
+# draft-simple drafts every position (no minimum draft probability), as our chain mode does
+SIMPLE = ["--spec-draft-p-min", "0"]
+
+
+@pytest.fixture(scope="module")
+def bins():
+    return llama_cpp_bin(build=True)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, bins):
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    root = tmp_path_factory.mktemp("llama_cpp_lora")
+    target_gguf = asset_path("smollm2-135m-instruct")
+    target = load_target("smollm2-135m-instruct", dtype="float32")
+    tok = target.tokenizer
+    prompts = [lc.chat_prompt(tok, p) for p in PROMPTS]
+    alone = [lc.run_target(bins, target_gguf, p, N_PREDICT, THREADS) for p in prompts]
+    longer = [lc.run_target(bins, target_gguf, p, N_PREDICT + N_DRAFT + 2, THREADS) for p in prompts]
+    seqs, n_prompts = [], []
+    for p, c in zip(prompts, longer, strict=True):
+        n_prompts.append(len(tok(p, add_special_tokens=False).input_ids))
+        seqs.append(torch.tensor(tok(p + c.text, add_special_tokens=False).input_ids))
+    T = max(len(s) for s in seqs)
+    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s)], attn[i, : len(s)] = s, 1
+        loss_mask[i, n_prompts[i]: len(s)] = 1
+    cfg = build(target.config, LoraOptions(exit_layer=EXIT, rank=16, alpha=32), None, None)
+    aux, _ = capture(target.model, input_ids, attn, [EXIT])  # [B, T, H] the input of layer EXIT
+    nxt = torch.roll(input_ids, -1, dims=1)  # llama.cpp's own next token at j: a sharp teacher
+    argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)
+    teacher = torch.zeros(*input_ids.shape, cfg.vocab_size).scatter_(-1, nxt[..., None], 1.0)
+
+    def new_drafter() -> LoraDrafter:
+        torch.manual_seed(1)
+        d = LoraDrafter(cfg)
+        d.attach_target(target.model)
+        return d
+
+    drafters = {"untrained": new_drafter().eval()}
+    d = new_drafter()
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(STEPS):
+        out = d(input_ids, aux, teacher, argmax, loss_mask)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    drafters["trained"] = d.eval()
+    print(f"[{time.perf_counter() - t0:.0f}s] trained: {STEPS} steps, loss {out['loss'].item():.3f}, "
+          f"acc {float(out['correct'][0] / out['count'][0]):.3f}")
+    files = {name: export(save_draft(dr, root / name, target.info()), "gguf", root / f"{name}.gguf")
+             for name, dr in drafters.items()}
+    return dict(target=target, target_gguf=target_gguf, prompts=prompts, alone=alone, longer=longer,
+                drafters=drafters, files=files)
+
+
+def run_all(world, bins, name: str) -> tuple[float, list[str], float]:
+    """(acceptance, texts, decode tokens/s) of one draft in llama.cpp."""
+    drafted = accepted = 0
+    texts, speeds = [], []
+    for prompt in world["prompts"]:
+        r = run_speculative(bins, world["target_gguf"], world["files"][name], prompt, N_PREDICT, N_DRAFT, THREADS,
+                            spec_type="draft-simple", extra=SIMPLE)
+        assert r.n_drafted > 0
+        texts.append(r.text.strip())
+        drafted, accepted = drafted + r.n_drafted, accepted + r.n_accept
+        if r.decode_tok_s:
+            speeds.append(r.decode_tok_s)
+    return accepted / drafted, texts, sum(speeds) / max(len(speeds), 1)
+
+
+def ours(world, name: str) -> float:
+    """Our runtime's acceptance (accepted / drafted, chain of N_DRAFT) on the same prompts."""
+    tok = world["target"].tokenizer
+    gen = SpeculativeGenerator(world["target"], world["drafters"][name])
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in world["prompts"]]
+    res = gen.generate(prompts, N_PREDICT, SpecConfig(mode="chain", num_draft_tokens=N_DRAFT))
+    return sum(sum(r.accept_lens) for r in res) / sum(sum(r.num_drafted) for r in res)
+
+
+def test_llama_cpp_runs_the_standalone_self_draft(world, bins):
+    rates, mine, speed = {}, {}, {}
+    for name in ("trained", "untrained"):
+        rates[name], texts, speed[name] = run_all(world, bins, name)
+        for got, alone, longer in zip(texts, world["alone"], world["longer"], strict=True):
+            # greedy speculative decoding does not change the text (llama.cpp may emit a few tokens more)
+            assert got.startswith(alone.text.strip()) and longer.text.strip().startswith(got), (name, got)
+        mine[name] = ours(world, name)
+    alone_s = sum(r.decode_tok_s or 0 for r in world["alone"]) / len(world["alone"])
+    print(f"llama.cpp -md acceptance {rates}, ours {mine}; tokens/s {speed} vs target alone {alone_s:.1f} "
+          f"({THREADS} threads)")
+    assert rates["trained"] > 0.7 and rates["trained"] > rates["untrained"] + 0.3, rates
+    for name in rates:
+        assert abs(rates[name] - mine[name]) <= 0.1 * max(rates[name], mine[name]), (name, rates, mine)
