@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from drafthead import hardware
 from drafthead.registry import load_draft, read_draft_config
 from drafthead.target import load_target
+from trainer import engine as L
 from trainer.config import load_config
 from trainer.data import load_conversations, read_jsonl, split_holdout
 
@@ -420,6 +421,23 @@ def test_real_smollm2_dflash_recipe_smoke(tmp_path):
     assert meta["family"] == "dflash" and meta["draft"]["target_layer_ids"] == [1, 14, 27]
     assert "target_lm_head.weight" not in weights(run / "final")
     assert any("eval/block_accept_len" in r for r in metrics(run))
+
+
+LORA = {"drafter.family": "lora", "drafter.lora.exit_layer": 1, "drafter.lora.rank": 4, "capture.layer_ids": "null"}
+
+
+def test_lora_resume_gives_the_same_draft(tiny_llama_dir, tiny_sharegpt, tmp_path, capsys):
+    """Checkpoints hold the adapters (the target's tensors the drafter shares are not written, even when tied);
+    a resumed run ends bit-identical to an uninterrupted one."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    train.main(args(full, tiny_llama_dir, tiny_sharegpt, **LORA))
+    train.main(args(part, tiny_llama_dir, tiny_sharegpt, **LORA, **{"train.stop_after_steps": 3}))
+    ckpt = L.list_checkpoints(part)[-1]
+    assert all(".lora_" in k for k in weights(ckpt))
+    train.main(args(part, tiny_llama_dir, tiny_sharegpt, **LORA, **{"train.resume": "auto"}))
+    assert "resumed from" in capsys.readouterr().out
+    assert_same_weights(part / "final", full / "final")
+    assert read_draft_config(full / "final")["draft"]["exit_layer"] == 1
 
 
 @pytest.mark.slow

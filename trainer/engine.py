@@ -24,6 +24,7 @@ from torch import nn
 
 from drafthead.hardware import DTYPES, resolve_dtype
 from drafthead.layers import softmax_floored
+from drafthead.registry import not_saved
 from drafthead.target import Target, TargetHead
 from trainer.capture import collate, collate_features, features_for_batch
 from trainer.config import RECIPES_DIR, RunConfig
@@ -237,7 +238,9 @@ class TorchEngine:
 
     def save(self, folder: Path) -> None:
         if self.d.main:
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items()},
+            # the target's own tensors a drafter holds (frozen, maybe tied to each other) are not checkpointed
+            skip = not_saved(self.module)
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.module.state_dict().items() if k not in skip},
                       str(folder / "model.safetensors"))
             torch.save({"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "micro": self.micro},
                        folder / "optimizer.pt")
@@ -247,7 +250,10 @@ class TorchEngine:
 
     def load(self, folder: Path) -> None:
         sd = load_file(str(folder / "model.safetensors"))
-        self.module.load_state_dict({k: v.to(self.d.device) for k, v in sd.items()})
+        missing, unexpected = self.module.load_state_dict({k: v.to(self.d.device) for k, v in sd.items()}, strict=False)
+        missing = sorted(set(missing) - not_saved(self.module))
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {folder}: missing {missing[:6]}, unexpected {unexpected[:6]}")
         st = torch.load(folder / "optimizer.pt", map_location=self.d.device, weights_only=False)
         self.opt.load_state_dict(st["opt"])
         self.sched.load_state_dict(st["sched"])
