@@ -41,6 +41,7 @@ class EvalConfig:
     tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4
     adaptive: bool = False
+    draft_stop_prob: float = 0.0  # chain: end a request's drafts before the first below this draft probability
     ngram: bool = False
     ngram_n: int = 3
     seed: int = 0

@@ -5,9 +5,12 @@ Flow: the SmolLM2 target alone (llama-completion, greedy) continues a few chat p
 (the recipe's shape: the target's layers 0-1, then layer 2 with adapters) is trained in-process on those
 continuations, exported with `to=gguf` (the merged standalone model, 3 layers) and run with
 `llama-speculative-simple -md`. Checked: the text equals the target alone for the trained draft and for the
-untrained one (the plain early exit); acceptance of the trained draft is far above the untrained one's; and
-llama.cpp's acceptance for each draft is within 10% of our runtime's (chain mode, the same number of drafts,
-the same prompts). Tokens/s beside llama.cpp alone are printed (docs/benchmarks.md), not asserted.
+untrained one (the plain early exit); acceptance of the trained draft is far above the untrained one's.
+Printed, not asserted: our runtime's acceptance for a half-trained draft on the same prompts, and tokens/s
+beside llama.cpp alone. The engines' acceptance is not compared as a test: these drafts memorise llama.cpp's
+Q4_1 continuations, and our runtime's fp32 target (the same GGUF, dequantized) continues one of the prompts
+differently after a few words, so the two verify different texts (measured 2026-12-02: half-trained draft
+0.304 in llama.cpp vs 0.132 in ours; docs/lora.md).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ PROMPTS = [
 N_PREDICT = 48
 N_DRAFT = 3
 EXIT = 2  # recipes/lora_smollm2.yaml
-STEPS = 150
+STEPS = {"trained": 150, "half": 40}
 THREADS = default_threads()
 # draft-simple drafts every position (no minimum draft probability), as our chain mode does
 SIMPLE = ["--spec-draft-p-min", "0"]
@@ -82,16 +85,17 @@ def world(tmp_path_factory, bins):
         return d
 
     drafters = {"untrained": new_drafter().eval()}
-    d = new_drafter()
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)
-    for _ in range(STEPS):
-        out = d(input_ids, aux, teacher, argmax, loss_mask)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-    drafters["trained"] = d.eval()
-    print(f"[{time.perf_counter() - t0:.0f}s] trained: {STEPS} steps, loss {out['loss'].item():.3f}, "
-          f"acc {float(out['correct'][0] / out['count'][0]):.3f}")
+    for name, steps in STEPS.items():
+        d = new_drafter()
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)
+        for _ in range(steps):
+            out = d(input_ids, aux, teacher, argmax, loss_mask)
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+        drafters[name] = d.eval()
+        print(f"[{time.perf_counter() - t0:.0f}s] {name}: {steps} steps, loss {out['loss'].item():.3f}, "
+              f"acc {float(out['correct'][0] / out['count'][0]):.3f}")
     files = {name: export(save_draft(dr, root / name, target.info()), "gguf", root / f"{name}.gguf")
              for name, dr in drafters.items()}
     return dict(target=target, target_gguf=target_gguf, prompts=prompts, alone=alone, longer=longer,
@@ -124,15 +128,13 @@ def ours(world, name: str) -> float:
 
 def test_llama_cpp_runs_the_standalone_self_draft(world, bins):
     rates, mine, speed = {}, {}, {}
-    for name in ("trained", "untrained"):
+    for name in ("trained", "untrained", "half"):
         rates[name], texts, speed[name] = run_all(world, bins, name)
         for got, alone, longer in zip(texts, world["alone"], world["longer"], strict=True):
             # greedy speculative decoding does not change the text (llama.cpp may emit a few tokens more)
             assert got.startswith(alone.text.strip()) and longer.text.strip().startswith(got), (name, got)
-        mine[name] = ours(world, name)
+    mine["half"] = ours(world, "half")
     alone_s = sum(r.decode_tok_s or 0 for r in world["alone"]) / len(world["alone"])
     print(f"llama.cpp -md acceptance {rates}, ours {mine}; tokens/s {speed} vs target alone {alone_s:.1f} "
           f"({THREADS} threads)")
     assert rates["trained"] > 0.7 and rates["trained"] > rates["untrained"] + 0.3, rates
-    for name in rates:
-        assert abs(rates[name] - mine[name]) <= 0.1 * max(rates[name], mine[name]), (name, rates, mine)
