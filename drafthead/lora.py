@@ -307,19 +307,25 @@ class SelfDraftRunner:
     def select(self, rows: torch.Tensor) -> None:
         self.exit_cache, self.lens = self.exit_cache[rows], self.lens[rows]
 
-    def _exit(self, h: torch.Tensor, lens: torch.Tensor, prefill: bool) -> torch.Tensor:
-        """Exit block over h [B, T, H] at positions lens.., writing the exit cache there; -> final-norm hidden."""
-        from drafthead.runtime.model import attention_mask, rms_norm
+    def _inputs(self, h: torch.Tensor, lens: torch.Tensor) -> tuple:
+        """(positions, cos, sin, aligned start, mask) of T new tokens at lens.. for a cache of the session's
+        capacity: the same for the target's layers < E and the exit block (both caches have that capacity)."""
+        from drafthead.runtime.model import attention_mask
 
-        m, T = self.model, h.shape[1]
-        S = self.exit_cache.shape[2]
+        T, S = h.shape[1], self.exit_cache.shape[2]
         pos = lens[:, None] + torch.arange(T, device=h.device)  # [B, T]
-        cos, sin = m.base.rotary_emb(h, position_ids=pos)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = self.model.base.rotary_emb(h, position_ids=pos)
         start = int(lens[0]) if bool((lens == lens[0]).all()) else None
-        mask = attention_mask(lens, T, S, None)
+        return pos, cos[:, None], sin[:, None], start, attention_mask(lens, T, S, None)
+
+    def _exit(self, h: torch.Tensor, inputs: tuple, prefill: bool) -> torch.Tensor:
+        """Exit block over h [B, T, H] (`inputs` from `_inputs`), writing the exit cache; -> final-norm hidden."""
+        from drafthead.runtime.model import rms_norm
+
+        pos, cos, sin, start, mask = inputs
         for j, layer in enumerate(self.drafter.layers):
-            h = m.block(j, layer, h, cos, sin, self.exit_cache, pos, start, S, mask, prefill)
+            h = self.model.block(j, layer, h, cos, sin, self.exit_cache, pos, start, self.exit_cache.shape[2], mask,
+                                 prefill)
         return rms_norm(self.drafter.norm, h)
 
     @torch.inference_mode()
@@ -331,7 +337,8 @@ class SelfDraftRunner:
             raise ValueError(f"draft context overflow: {int((self.lens + counts).max())} > capacity "
                              f"{self.exit_cache.shape[2]}")
         # padding past counts[b] lands past the verified prefix, where the next round writes over it
-        self._exit(feats.to(self.model.dtype), self.lens, prefill=T > 1)
+        h = feats.to(self.model.dtype)
+        self._exit(h, self._inputs(h, self.lens), prefill=T > 1)
         self.lens = self.lens + counts
 
     @torch.inference_mode()
@@ -340,7 +347,6 @@ class SelfDraftRunner:
         """k draft steps from the session's roots: each runs the target's layers < E on the target's cache
         (past its verified length) and the exit block. Returns (drafts [B, k], q [B, k, V] | None, lengths
         [B]: drafts each request keeps, k unless the confidence stop cut it)."""
-        from drafthead.runtime.model import attention_mask
         from drafthead.runtime.sampling import probs, sample
 
         m, s, d = self.model, self.session, self.drafter
@@ -356,14 +362,11 @@ class SelfDraftRunner:
         for j in range(k):
             lens = base + j
             h = m.base.embed_tokens(x[:, None])  # [B, 1, H]
-            pos = lens[:, None]
-            cos, sin = m.base.rotary_emb(h, position_ids=pos)
-            cos, sin = cos[:, None], sin[:, None]
-            start = int(lens[0]) if bool((lens == lens[0]).all()) else None
-            mask = attention_mask(lens, 1, S, None)
+            inputs = self._inputs(h, lens)  # rope and mask once for both caches
+            pos, cos, sin, start, mask = inputs
             for i in range(E):
                 h = m.block(i, m.layers[i], h, cos, sin, s.cache, pos, start, S, mask)
-            h = self._exit(h, lens, prefill=False)  # [B, 1, H]
+            h = self._exit(h, inputs, prefill=False)  # [B, 1, H]
             logits = m.linear(head, h)[:, 0].float()  # [B, V]
             if temperature > 0:
                 p = probs(logits, temperature, top_p)  # [B, V]

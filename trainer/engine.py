@@ -175,9 +175,10 @@ def lr_lambda(total_steps: int, warmup_ratio: float, min_ratio: float, warm: int
 
 
 def make_schedule(opt: torch.optim.Optimizer, total_steps: int, cfg: RunConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    warm = max(1, int(round(total_steps * cfg.train.warmup_ratio)))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, cfg.train.warmup_ratio,
-                                                             cfg.train.min_lr_ratio))
-    sched.warm_steps = max(1, int(round(total_steps * cfg.train.warmup_ratio)))
+                                                             cfg.train.min_lr_ratio, warm))
+    sched.warm_steps = warm  # kept when set_total_steps moves the end of the cosine
     return sched
 
 
