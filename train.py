@@ -87,7 +87,8 @@ def main(argv: list[str]) -> Path:
         cap_dir = Path(cfg.capture.dir or run_dir / "capture")
         if d.main:
             capture_offline(target, prep.train, cap_dir, layer_ids, feat_dtype, cfg.capture.shard_samples,
-                            cfg.capture.batch_tokens, progress=cfg.logging.progress, argmax=store_argmax)
+                            cfg.capture.batch_tokens, progress=cfg.logging.progress, argmax=store_argmax,
+                            after_shard=L.trim_freed_memory)
         barrier(d)
         L.trim_freed_memory()  # the capture's shard buffers are not needed again
         feats = ShardedFeatures(cap_dir)
@@ -138,6 +139,7 @@ def main(argv: list[str]) -> Path:
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (d.main and cfg.logging.progress),
                dynamic_ncols=True)
     tput = L.Throughput()
+    heap_cap = L.HeapCap()
     acc_c, acc_n, loss_sum, n_micro = torch.zeros(K), torch.zeros(K), 0.0, 0
     last_eval: dict = {}
     stop_after = cfg.train.stop_after_steps
@@ -164,6 +166,7 @@ def main(argv: list[str]) -> Path:
             steps_this_process += 1
             state.update(epoch=state["epoch"], batch_in_epoch=bi + 1)
             bar.update(1)
+            heap_cap()
             if step % cfg.logging.log_every == 0 or step == total_steps:
                 c, n = L.all_reduce_sum(acc_c, d), L.all_reduce_sum(acc_n, d)
                 acc = (c / n.clamp(min=1)).tolist()
@@ -190,12 +193,14 @@ def main(argv: list[str]) -> Path:
                     + (f"block accept len {block:.2f}" if block is not None else
                        f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}"))
                 L.trim_freed_memory()
+                heap_cap.reset()
                 clock.spent("eval", time.perf_counter() - t_side)
             t_side = time.perf_counter()
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                     stop_after and steps_this_process >= stop_after):
                 L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints)
                 L.trim_freed_memory()
+                heap_cap.reset()
                 clock.spent("save", time.perf_counter() - t_side)
             if step >= total_steps or (stop_after and steps_this_process >= stop_after):
                 done = True

@@ -49,6 +49,9 @@ class EvalConfig:
     device: str = "auto"  # auto = cuda if available, else cpu
     dtype: str = "auto"  # target and draft weights: auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16
     threads: int | None = None  # torch CPU threads (default: torch's)
+    # fp32 CPU targets: the decode kernel streams the target's weights as bf16 or int8 (rounded in place for
+    # prompts too); null = as loaded
+    weights: str | None = None
     progress: bool = True
 
 
@@ -67,7 +70,7 @@ def parse_kv(cls: type, argv: list[str]) -> Any:
         raise ValueError(f"unknown key(s) {unknown}; valid: {sorted(known)}")
     # 'none' means absent for the optional string keys (draft=none, target=none)
     argv = [f"{k}=null" if v in NONE_WORDS and k in ("draft", "target", "gguf_file", "heldout", "mode",
-                                                     "max_prompts", "threads") else f"{k}={v}"
+                                                     "max_prompts", "threads", "weights") else f"{k}={v}"
             for k, v in pairs.items()]
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.from_dotlist(argv))
@@ -164,7 +167,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
         mode = drafter.draft_modes[0]
     if generator is None:
         from drafthead.runtime import SpeculativeGenerator
-        generator = SpeculativeGenerator(target, drafter, device=device)
+        generator = SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)
     spec, ar = spec_configs(cfg, mode)
     tok = target.tokenizer
 

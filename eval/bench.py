@@ -51,6 +51,7 @@ class BenchConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16; HF generate runs the same weights
     threads: int | None = None
+    weights: str | None = None  # fp32 CPU targets: bf16 | int8 weights in the decode kernel (see drafthead eval)
     out: str | None = None  # bench.json path, or a directory to write bench.json into
     progress: bool = True
 
@@ -189,6 +190,28 @@ def hf_verify_cost_curve(model: Any, prefix: list[int], sizes: list[int], repeat
     return _relative(rows)
 
 
+def read_bandwidth(device: str, mib: int = 512, repeats: int = 5) -> float:
+    """Measured memory read rate in bytes/s: the best of `repeats` sums over a `mib` MiB fp32 tensor (larger
+    than any last-level cache here, so it streams from memory)."""
+    x = torch.ones(mib << 18, device=device)  # mib MiB of fp32
+    best = float("inf")
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def bandwidth_bound(tm: Any, device: str) -> dict:
+    """The least time a 1-token forward can take: projection bytes streamed / read bandwidth."""
+    nbytes = tm.streamed_bytes()
+    bw = read_bandwidth(device)
+    return {"kernel": tm.kernel, "weights": tm.weights, "weight_bytes": nbytes, "read_gb_per_s": bw / 1e9,
+            "bound_ms": 1000 * nbytes / bw}
+
+
 def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generator: Any = None) -> dict:
     from drafthead.runtime import SpecConfig, SpeculativeGenerator, TargetModel
 
@@ -199,7 +222,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
         torch.set_num_threads(cfg.threads)
     if target is None:
         target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype)
-    generator = generator or SpeculativeGenerator(target, drafter, device=device)
+    generator = generator or SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)
     tok = target.tokenizer
     prompts = [chat_prompt(tok, [{"role": "user", "content": s.turns[0]}]) for s in samples]
 
@@ -244,7 +267,9 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     prefix = [t for p in prompts for t in p]
     prefix = (prefix * (cfg.verify_prefix // max(1, len(prefix)) + 1))[: cfg.verify_prefix]
     sizes = list(cfg.verify_sizes)
-    curve = verify_cost_curve(TargetModel(target.model), prefix, sizes, cfg.verify_repeats, device)
+    tm = generator.model if isinstance(generator.model, TargetModel) else TargetModel(target.model)
+    curve = verify_cost_curve(tm, prefix, sizes, cfg.verify_repeats, device)
+    bound = bandwidth_bound(tm, device)
     hf_curve = hf_verify_cost_curve(target.model, prefix, sizes, cfg.verify_repeats, device)
 
     result = {"settings": {**dataclasses.asdict(cfg), "target": getattr(target, "name_or_path", None),
@@ -252,6 +277,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
                            "num_prompts": len(prompts), "machine": machine_info(device)},
               "methods": {n: {k: v for k, v in r.items() if k != "outputs"} for n, r in rows.items()},
               "verify_cost": curve,
+              "bandwidth_bound": bound,
               "verify_cost_hf": hf_curve,
               "definitions": {
                   "tokens_per_s": "generated tokens / wall time of the per-prompt generate calls (prefill "
@@ -261,7 +287,10 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
                   "outputs_equal_our_ar": "prompts whose output equals our AR output token for token",
                   "verify_cost": "median wall time of one target forward (our runtime's, as in a verify round) "
                                  "of num_tokens new tokens appended to a cached prefix of verify_prefix tokens",
-                  "verify_cost_hf": "the same through HF model(...) with a DynamicCache"}}
+                  "verify_cost_hf": "the same through HF model(...) with a DynamicCache",
+                  "bandwidth_bound": "bytes of projection weights one generated token streams / measured read "
+                                     "bandwidth (a sum over a 512 MiB tensor): the least a 1-token forward "
+                                     "can cost when weights come from memory"}}
     print(format_table(result))
     if cfg.out:
         out = Path(cfg.out)
@@ -284,6 +313,13 @@ def format_table(result: dict) -> str:
             continue
         lines.append(f"{name:<40} {f(r['tokens_per_s'], 1):>8} {f(r['vs_our_ar']):>7} {f(r['vs_hf_generate']):>7} "
                      f"{f(r['acceptance_length']):>6} {r['outputs_equal_our_ar']:>3}/{n:<2}")
+    bd = result.get("bandwidth_bound")
+    if bd:
+        lines.append(f"CPU class {result['settings']['machine'].get('cpu_class')}, decode kernel {bd['kernel'] or 'none (oneDNN)'}, "
+                     f"weights {bd['weights']}: {bd['weight_bytes'] / 1e6:.0f} MB streamed per token, read bandwidth "
+                     f"{bd['read_gb_per_s']:.1f} GB/s -> bound {bd['bound_ms']:.1f} ms; 1-token forward "
+                     f"{result['verify_cost'][0]['ms']:.1f} ms = {result['verify_cost'][0]['ms'] / bd['bound_ms']:.2f}x "
+                     f"the bound" if result['verify_cost'][0]['num_tokens'] == 1 else "")
     lines.append(f"target verify cost: one forward of n tokens on a cached prefix of "
                  f"{result['settings']['verify_prefix']} tokens")
     lines.append(f"{'n':>4} {'ours ms':>9} {'x n=1':>6} {'HF ms':>9} {'x n=1':>6}")

@@ -92,9 +92,12 @@ def test_capture_rejects_out_of_range_layer_ids(llama, samples):
 
 def test_offline_features_equal_online_features(llama, samples, tmp_path):
     """One sample per target forward (batch_tokens below every sample length): bit-identical to online."""
+    on_disk = []  # shards present each time the hook runs: it runs once a shard is written
     m = capture_offline(llama, samples, tmp_path / "cap", LAYERS, torch.bfloat16, shard_samples=16,
-                        batch_tokens=1, progress=False)
+                        batch_tokens=1, progress=False,
+                        after_shard=lambda: on_disk.append(len(list((tmp_path / "cap").glob("shard_*")))))
     assert m["complete"] and m["num_samples"] == 40 and [s["num_samples"] for s in m["shards"]] == [16, 16, 8]
+    assert on_disk == [1, 2, 3]
     feats = ShardedFeatures(tmp_path / "cap")
     assert len(feats) == 40 and feats.lengths == [len(s["input_ids"]) for s in samples]
     assert m["num_tokens"] == sum(feats.lengths)

@@ -1,5 +1,6 @@
-"""The bf16 CPU decode kernel (`drafthead.kernels.cpu_linear`): agrees with an fp32 reference, gives a row the
-same bits at any row count and position, and the runtime falls back to oneDNN when it is unavailable."""
+"""The CPU decode kernels (`drafthead.kernels.cpu_linear`): bf16 (AVX512-BF16) and fp32 (AVX2/FMA; fp32, bf16
+or int8 weights) agree with an fp64 reference, give a row the same bits at any row count and position, and the
+runtime falls back to oneDNN when they are unavailable."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,8 @@ from drafthead.kernels import cpu_linear
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(),
                                   reason=f"bf16 CPU kernel unavailable: {cpu_linear.unavailable_reason()}")
+needs_fp32_kernel = pytest.mark.skipif(not cpu_linear.available("fp32"),
+                                       reason=f"fp32 CPU kernel unavailable: {cpu_linear.unavailable_reason('fp32')}")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -77,8 +80,8 @@ def test_with_packed_linears_copies_bf16_linears_only() -> None:
         want, got = net(x).float(), fast(x).float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     assert torch.equal(fast(x[2:3]), fast(x)[2:3])  # row-invariant like the kernel
-    fp32 = nn.Linear(8, 8)
-    assert cpu_linear.with_packed_linears(fp32) is fp32  # nothing to replace: the module itself
+    f16 = nn.Linear(8, 8).half()
+    assert cpu_linear.with_packed_linears(f16) is f16  # no kernel for fp16: the module itself
 
 
 def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path):
@@ -110,3 +113,86 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path):
     said = [str(w.message) for w in got]
     assert any("waiting up to" in m for m in said) and any("removed a stale kernel build lock" in m for m in said)
     assert not lock.exists()
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("weights", cpu_linear.WEIGHTS)
+@pytest.mark.parametrize("N,K", [(1536, 576), (576, 1536), (192, 576), (37, 64), (100, 3), (1, 130), (49152, 576)])
+def test_fp32_kernel_matches_fp64_reference(weights: str, N: int, K: int) -> None:
+    """fp32 accumulation over K of the weight `compress` stands for: within fp32 rounding of the fp64 product."""
+    g = torch.Generator().manual_seed(N + K)
+    w, b, x = torch.randn(N, K, generator=g), torch.randn(N, generator=g), torch.randn(13, K, generator=g)
+    stored, scale, effective = cpu_linear.compress(w, weights)
+    packed = cpu_linear.pack_fp32(stored)
+    for bias in (None, b):
+        y = cpu_linear.linear_fp32(x, packed, N, scale, bias)  # [13, N]
+        assert y.dtype == torch.float32 and y.shape == (13, N)
+        ref = reference(x, effective, bias)
+        tol = (x.double().abs() @ effective.double().abs().t() + (bias.double().abs() if bias is not None else 0)
+               ) * K * 2.0 ** -23 + 1e-30
+        assert ((y.double() - ref).abs() <= tol).all(), (weights, N, K, bias is None)
+
+
+def test_compress_gives_the_weight_the_kernel_computes_with() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=g)
+    w[3] = 0  # an all-zero row: scale floored, no division by zero
+    same, none, eff = cpu_linear.compress(w, "fp32")
+    assert none is None and torch.equal(same, w) and torch.equal(eff, w)
+    bits, none, eff = cpu_linear.compress(w, "bf16")
+    assert none is None and bits.dtype == torch.int16 and torch.equal(eff, w.to(torch.bfloat16).float())
+    q, scale, eff = cpu_linear.compress(w, "int8")
+    assert q.dtype == torch.int8 and scale.shape == (40,) and int(q.abs().max()) == 127
+    assert torch.equal(eff, q.float() * scale[:, None]) and torch.equal(eff[3], torch.zeros(64))
+    assert ((eff - w).abs() <= scale[:, None] / 2 + 1e-7).all()  # round to the nearest level
+    with pytest.raises(ValueError, match="weights='int4'"):
+        cpu_linear.compress(w, "int4")
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("weights", cpu_linear.WEIGHTS)
+def test_fp32_kernel_rows_have_the_same_bits_at_1_to_70_rows(weights: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(100, 576, generator=g)  # 100 outputs: 4 full tiles of 24 + a tail block of 4
+    b = torch.randn(100, generator=g)
+    x = torch.randn(70, 576, generator=g)
+    stored, scale, _ = cpu_linear.compress(w, weights)
+    packed = cpu_linear.pack_fp32(stored)
+    alone = torch.cat([cpu_linear.linear_fp32(x[i: i + 1], packed, 100, scale, b) for i in range(70)])
+    for M in range(1, 71):
+        for start in sorted({0, 70 - M, (70 - M) // 2}):
+            got = cpu_linear.linear_fp32(x[start: start + M], packed, 100, scale, b)
+            assert torch.equal(got, alone[start: start + M]), (weights, M, start)
+
+
+@needs_fp32_kernel
+def test_fp32_kernel_bad_inputs_are_named_errors() -> None:
+    with pytest.raises(ValueError, match="int16 \\(bf16 bits\\) or int8"):
+        cpu_linear.pack_fp32(torch.zeros(4, 8, dtype=torch.float64))
+    packed = cpu_linear.pack_fp32(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="x must be float32"):
+        cpu_linear.linear_fp32(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4)
+    with pytest.raises(RuntimeError, match="K = 6"):
+        cpu_linear.linear_fp32(torch.zeros(2, 6), packed, 4)
+    with pytest.raises(RuntimeError, match="N = 40"):
+        cpu_linear.linear_fp32(torch.zeros(2, 8), packed, 40)
+    q = cpu_linear.pack_fp32(torch.zeros(4, 8, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="int8 weights need a per-output scale"):
+        cpu_linear.linear_fp32(torch.zeros(2, 8), q, 4)
+
+
+@needs_fp32_kernel
+def test_with_packed_linears_packs_fp32_linears_too() -> None:
+    torch.manual_seed(0)
+    # 64 features between the layers: torch's vectorized SiLU handles 2 x 16 fp32 lanes a loop and the rest
+    # with scalar code that rounds differently, so only widths that are a multiple of 32 are row-invariant
+    # outside the kernel (real hidden sizes are)
+    net = nn.Sequential(nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 20, bias=False))
+    fast = cpu_linear.with_packed_linears(net)
+    assert fast is not net and isinstance(fast[0], cpu_linear.PackedLinear) and fast[0].kind == "fp32"
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        want, got = net(x), fast(x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fast(x[2:3]), fast(x)[2:3])
+    assert cpu_linear.packed_bytes(fast) == (8 * 8 * 64 + 3 * 8 * 64) * 4  # 64 -> 8 blocks, 20 -> 3 blocks of 8

@@ -337,6 +337,15 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
     for curve in (r["verify_cost"], r["verify_cost_hf"]):
         assert [c["num_tokens"] for c in curve] == [1, 2, 8] and curve[0]["relative_to_first"] == 1
         assert all(c["ms"] > 0 for c in curve)
+    from drafthead.kernels import cpu_linear
+
+    bound = on_disk["bandwidth_bound"]  # fp32 tiny target: the fp32 kernel where the CPU has AVX2 + FMA
+    assert bound["kernel"] == ("fp32" if cpu_linear.available("fp32") else None) and bound["weights"] == "fp32"
+    c = target.config
+    per_layer = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * c.num_key_value_heads * (
+        c.hidden_size // c.num_attention_heads) + 3 * c.hidden_size * c.intermediate_size
+    assert bound["weight_bytes"] >= 4 * (c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size)
+    assert bound["read_gb_per_s"] > 0 and bound["bound_ms"] > 0
 
 
 def test_cli_eval_loads_target_from_the_draft_config_and_reads_the_heldout_split(tiny_llama_dir, tmp_path):

@@ -18,7 +18,7 @@ from drafthead.export import ExportError, export
 from drafthead.family import resolve
 from drafthead.registry import FAMILIES, NOT_SAVED, draft_state_dict, load_draft, save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
-from drafthead.target import lm_head_weight, load_target
+from drafthead.target import load_target
 from trainer import engine as L
 from trainer.config import load_config
 from trainer.dist import Dist

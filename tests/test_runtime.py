@@ -326,6 +326,44 @@ def test_bf16_decode_kernel_is_close_to_hf_and_lossless(arch: str) -> None:
             assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, (on, spec)
 
 
+@pytest.mark.skipif(not cpu_linear.available("fp32"), reason="fp32 CPU kernel unavailable")
+@pytest.mark.parametrize("arch,weights", [("llama", None), ("qwen3", None), ("llama", "bf16"), ("qwen2", "int8")])
+def test_fp32_decode_kernel_is_lossless_bit_for_bit(arch: str, weights: str | None) -> None:
+    """fp32 TargetModel on CPU: generated tokens go through the fp32 kernel (weights as loaded, or compressed to
+    bf16 / int8), their logits are close to HF's forward of the same (rounded) weights, and greedy speculative
+    output equals AR output token for token in chain, chain + n-gram, tree and n-gram modes."""
+    target = tiny_target(arch, dtype=torch.float32, seed=3, head_scale=4.0)
+    gen = SpeculativeGenerator(target, random_drafter(target), weights=weights)
+    tm = gen.model
+    assert tm.decode_kernel and tm.kernel == "fp32" and tm.weights == (weights or "fp32")
+    if weights:  # the model's own weights now hold the values the compressed ones stand for
+        w = tm.layers[0].mlp.up_proj.weight  # [I, H]
+        if weights == "bf16":
+            assert torch.equal(w.to(torch.bfloat16).float(), w)
+        else:  # int8: each output row holds at most 255 levels
+            assert max(len(row.unique()) for row in w) <= 255
+    seq = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache, lens = tm.new_cache(1, 16), torch.zeros(1, dtype=torch.long)
+    tm.forward(cache, seq[:, :8], lens, prefill=True)
+    logits, _ = tm.forward(cache, seq[:, 8:], lens + 8)  # [1, 4, V] through the kernel
+    with torch.no_grad():
+        hf = target.model(seq).logits[:, 8:]  # [1, 4, V]
+    assert torch.allclose(logits, hf, rtol=1e-4, atol=1e-4 * float(hf.abs().max()))
+    prompts = random_prompts(3, 128, seed=5)
+    want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+    for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
+                 SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6), SpecConfig(mode="ngram", num_draft_tokens=3),
+                 SpecConfig(mode="chain", num_draft_tokens=3, batch_size=3)):
+        assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, spec
+
+
+def test_compressed_weights_need_the_fp32_kernel() -> None:
+    with pytest.raises(ValueError, match="weights=int8 needs an fp32 target .*bfloat16"):
+        TargetModel(tiny_target("llama", dtype=torch.bfloat16).model, weights="int8")
+    with pytest.raises(ValueError, match="weights='int4'"):
+        TargetModel(tiny_target("llama", dtype=torch.float32).model, weights="int4")
+
+
 def test_bf16_decode_kernel_unavailable_falls_back_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_linear, "_state", {})
     monkeypatch.setenv("DRAFTHEAD_CPU_KERNEL", "0")

@@ -269,6 +269,42 @@ def test_retain_freed_memory_keeps_big_frees_in_the_heap():
             assert faults > 9 * 16384, faults  # 16k pages of 4 KiB faulted in on every use
 
 
+def test_heap_cap_trims_once_the_heap_outgrows_its_slack(monkeypatch):
+    """The per-step check: the first call after a trim takes the base (the step's working set included);
+    a trim only once the process grew the slack past it; nothing without retain_freed_memory."""
+    import trainer.engine as E
+
+    rss = {"now": 5 << 30}
+    trims = []
+    monkeypatch.setattr(E, "resident_bytes", lambda: rss["now"])
+    monkeypatch.setattr(E, "trim_freed_memory", lambda: trims.append(rss["now"]) or True)
+    monkeypatch.setattr(E, "_LIBC", object())
+    cap = E.HeapCap(slack_bytes=2 << 30)
+    assert cap() is False and cap.base == 5 << 30  # base taken
+    rss["now"] = (7 << 30) - 1
+    assert cap() is False and not trims  # within the slack
+    rss["now"] = 7 << 30
+    assert cap() is True and trims == [7 << 30] and cap.base is None and cap.trims == 1
+    rss["now"] = 4 << 30  # after the trim: the next call measures the new base
+    assert cap() is False and cap.base == 4 << 30
+    cap.reset()
+    assert cap.base is None
+    monkeypatch.setattr(E, "_LIBC", None)  # retain_freed_memory off (or not glibc): nothing to hand back
+    rss["now"] = 100 << 30
+    assert cap() is False and cap() is False and len(trims) == 1
+
+
+def test_resident_bytes_reads_this_process():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("/proc/self/statm is Linux only")
+    from trainer.engine import resident_bytes
+
+    before = resident_bytes()
+    x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched
+    assert resident_bytes() - before > 48 << 20
+    del x
+
+
 def test_bad_config_exits_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train.main([f"output_dir={tmp_path / 'run'}", "train.max_step=3"])

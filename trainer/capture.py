@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -106,9 +106,11 @@ def verify_shards(folder: str | Path, manifest: dict, checksum: bool = True) -> 
 
 def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, layer_ids: list[int],
                     dtype: torch.dtype = torch.bfloat16, shard_samples: int = 256, batch_tokens: int = 4096,
-                    progress: bool = True, argmax: bool = False) -> dict:
+                    progress: bool = True, argmax: bool = False,
+                    after_shard: Callable[[], Any] | None = None) -> dict:
     """Capture features for `samples` into `out_dir`, resuming where a previous run stopped. `argmax`:
-    also store the target's full-vocabulary argmax (see the module docstring)."""
+    also store the target's full-vocabulary argmax (see the module docstring). `after_shard` runs once each
+    shard is on disk (train.py hands the freed heap back there: batches of varying shapes fragment it)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(out)
@@ -144,6 +146,9 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
                                    "sha256": _sha256(p)})
         manifest["shards"].sort(key=lambda s: s["first_sample"])
         atomic_write_json(out / MANIFEST, manifest)
+        del tensors
+        if after_shard is not None:
+            after_shard()
     bar.close()
     manifest["complete"] = True
     manifest["num_tokens"] = sum(sh["num_tokens"] for sh in manifest["shards"])

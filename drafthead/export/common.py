@@ -89,7 +89,6 @@ def _parse_kv(buf, pos: int, n_kv: int, path: str) -> dict[str, tuple[int, int |
         return bytes(buf[pos - n: pos]).decode("utf-8")
 
     def value(t: int):
-        nonlocal pos
         if t == STRING:
             return string()
         if t in _SCALARS:

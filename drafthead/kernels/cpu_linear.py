@@ -1,16 +1,23 @@
-"""Row-invariant bf16 projections for CPU decoding (`cpu_linear.cpp`, AVX512-BF16, compiled on first use).
+"""Row-invariant projections for CPU decoding, compiled on first use: `cpu_linear.cpp` (bf16, AVX512-BF16) and
+`cpu_linear_avx2.cpp` (fp32 activations on AVX2/FMA, with fp32, bf16 or int8 weights).
 
-Why: a decode step or a verify block multiplies 1-5 rows by every weight of the target. oneDNN's bf16
-matmul does that at ~5 GMAC/s on the 2-core AMX Xeon measured (its AMX tiles are built for many rows) and
-the same step in fp32 is faster, so bf16 decoding lost to HF `generate` in fp32. The packed kernel streams
-the weights once per call at ~28 GMAC/s for 1-4 rows and computes each output element with one fixed
-instruction sequence, so a row's bits do not depend on how many rows share the call: a verify block gives
-the same logits as decoding its tokens one by one (what greedy losslessness needs). Beyond ~8 rows oneDNN's
-AMX path is faster, so prompts (prefill) keep using it; generated tokens always go through this kernel.
+Why: a decode step or a verify block multiplies 1-16 rows by every weight of the target, so its cost is the
+time to stream the weights once. oneDNN does not reach that at these row counts: its bf16 matmul ran at
+~5 GMAC/s on the 2-core AMX Xeon measured (its AMX tiles are built for many rows), its fp32 matmul streamed
+SmolLM2's weights at 4.5-6.8 GB/s on a 2-core AVX2 EPYC that reads memory at ~22 GB/s, and both change
+kernels with the row count. These kernels stream the weights once per call and compute each output element
+with one fixed instruction sequence, so a row's bits do not depend on how many rows share the call: a verify
+block gives the same logits as decoding its tokens one by one (what greedy losslessness needs). Prompts
+(prefill, many rows) keep using oneDNN; generated tokens always go through the kernel of the run's dtype.
 
-The extension is built with `torch.utils.cpp_extension` into `<drafthead cache>/torch_extensions` (about
-35 s, once per machine). `DRAFTHEAD_CPU_KERNEL=0` turns it off; without a compiler, without AVX512-BF16 or
-when the build fails, `available()` is False (with one warning naming why) and callers use oneDNN.
+Kinds: "bf16" (bf16 activations and weights; CPUs with AVX512-BF16) and "fp32" (fp32 activations and
+accumulation; any CPU with AVX2 and FMA; weights stored as fp32, or compressed to bf16 or int8 with
+`weights=`, which halves or quarters the bytes each step streams).
+
+The extensions are built with `torch.utils.cpp_extension` into `<drafthead cache>/torch_extensions` (about
+35 s each, once per machine). `DRAFTHEAD_CPU_KERNEL=0` turns them off; without a compiler, without the CPU
+features or when a build fails, `available(kind)` is False (with one warning naming why) and callers use
+oneDNN.
 """
 from __future__ import annotations
 
@@ -25,8 +32,15 @@ from torch import nn
 
 from drafthead import hardware
 
-_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
-_state: dict[str, ModuleType | str | None] = {}  # "ext": module, or "why": reason it is unavailable
+_SOURCES = {"bf16": Path(__file__).with_name("cpu_linear.cpp"),
+            "fp32": Path(__file__).with_name("cpu_linear_avx2.cpp")}
+# -ffp-contract=off: GCC otherwise fuses the int8 path's scale multiply and bias add into an FMA in some
+# tile shapes and not others, and a row's bits then depended on the row count (measured)
+_CFLAGS = {"bf16": ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+           "fp32": ["-O3", "-mavx2", "-mfma", "-ffp-contract=off"]}
+KINDS = tuple(_SOURCES)
+WEIGHTS = ("fp32", "bf16", "int8")  # how the fp32 kernel stores the weights it streams
+_state: dict[str, ModuleType | str] = {}  # kind -> built module, or the reason it is unavailable
 
 
 def _cpu_has_avx512_bf16() -> bool:
@@ -36,33 +50,46 @@ def _cpu_has_avx512_bf16() -> bool:
     return hardware.cpu_class() in hardware.NATIVE_BF16_CLASSES and {"avx512_bf16", "avx512bw"} <= flags
 
 
-def _load() -> ModuleType | None:
-    if "ext" in _state or "why" in _state:
-        return _state.get("ext")  # type: ignore[return-value]
+def _cpu_has_avx2_fma() -> bool:
+    return {"avx2", "fma"} <= hardware.cpu_flags()
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in _SOURCES:
+        raise ValueError(f"unknown CPU kernel kind {kind!r}; kinds: {', '.join(KINDS)}")
+
+
+def _load(kind: str = "bf16") -> ModuleType | None:
+    _check_kind(kind)
+    got = _state.get(kind)
+    if got is not None:
+        return got if isinstance(got, ModuleType) else None
     why = None
     if os.environ.get("DRAFTHEAD_CPU_KERNEL", "1") == "0":
         why = "DRAFTHEAD_CPU_KERNEL=0"
-    elif not _cpu_has_avx512_bf16():
+    elif kind == "bf16" and not _cpu_has_avx512_bf16():
         why = f"CPU class {hardware.cpu_class()} has no AVX512-BF16"
+    elif kind == "fp32" and not _cpu_has_avx2_fma():
+        why = "the CPU has no AVX2 and FMA"
     else:
         try:
             from torch.utils.cpp_extension import load
 
             from drafthead.assets import cache_dir
 
-            build = cache_dir() / "torch_extensions" / f"cpu_linear-torch{torch.__version__.split('+')[0]}"
+            stem = _SOURCES[kind].stem
+            build = cache_dir() / "torch_extensions" / f"{stem}-torch{torch.__version__.split('+')[0]}"
             build.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build / "lock")
-            _state["ext"] = load("drafthead_cpu_linear", [str(_SOURCE)], build_directory=str(build),
-                                 extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                                 verbose=False)
-            return _state["ext"]  # type: ignore[return-value]
+            _state[kind] = load(f"drafthead_{stem}", [str(_SOURCES[kind])], build_directory=str(build),
+                                extra_cflags=_CFLAGS[kind], verbose=False)
+            return _state[kind]  # type: ignore[return-value]
         except Exception as e:  # no compiler / ninja, or a failed build: fall back, but say so
             why = f"building the extension failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
-    _state["why"] = why
+    _state[kind] = why
     if why != "DRAFTHEAD_CPU_KERNEL=0":
-        warnings.warn(f"drafthead: bf16 CPU decode kernel unavailable ({why}); using oneDNN (slower at 1-8 rows)",
-                      stacklevel=3)
+        warnings.warn(f"drafthead: {kind} CPU decode kernel unavailable ({why}); using oneDNN (slower at 1-16 "
+                      f"rows)", stacklevel=3)
     return None
 
 
@@ -98,14 +125,20 @@ def clear_stale_lock(lock: Path, stale_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-def available() -> bool:
-    """True when the kernel is built (or builds now) and this CPU can run it."""
-    return _load() is not None
+def available(kind: str = "bf16") -> bool:
+    """True when the kernel of this kind is built (or builds now) and this CPU can run it."""
+    return _load(kind) is not None
 
 
-def unavailable_reason() -> str | None:
-    _load()
-    return _state.get("why")  # type: ignore[return-value]
+def unavailable_reason(kind: str = "bf16") -> str | None:
+    _load(kind)
+    got = _state.get(kind)
+    return got if isinstance(got, str) else None
+
+
+def kind_for(dtype: torch.dtype) -> str | None:
+    """The kernel kind that runs generated tokens of this dtype on CPU (None: no kernel, oneDNN)."""
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -129,30 +162,93 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return y.view(*x.shape[:-1], out_features)
 
 
+def compress(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """fp32 weight [N, K] -> (stored [N, K] for `pack_fp32`, per-output scale [N] or None, the fp32 weight
+    the stored form stands for). bf16: round to nearest even; int8: symmetric per output row, 127 levels.
+    The runtime writes the third back into the model, so prompts, HF `generate` and the kernel all run
+    the same weights."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: use one of {', '.join(WEIGHTS)}")
+    w = weight.detach().float()
+    if weights == "fp32":
+        return w, None, w
+    if weights == "bf16":
+        b = w.to(torch.bfloat16)
+        return b.view(torch.int16), None, b.float()
+    scale = w.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)  # [N, K]
+    return q, scale, q.float() * scale[:, None]
+
+
+def pack_fp32(stored: torch.Tensor) -> torch.Tensor:
+    """Stored weight [N, K] from `compress` -> packed [ceil(N/8), K, 8], made once per weight."""
+    ext = _load("fp32")
+    if ext is None:
+        raise RuntimeError(f"fp32 CPU decode kernel unavailable: {unavailable_reason('fp32')}")
+    if stored.dim() != 2 or stored.dtype not in (torch.float32, torch.int16, torch.int8):
+        raise ValueError(f"pack_fp32 needs a [N, K] float32, int16 (bf16 bits) or int8 weight from compress(), "
+                         f"got {stored.dtype} {tuple(stored.shape)}")
+    return ext.pack(stored.detach().cpu().contiguous())
+
+
+def linear_fp32(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale: torch.Tensor | None = None,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] fp32 @ packed weight (* scale, int8 only) (+ bias) -> [..., out_features] fp32."""
+    ext = _load("fp32")
+    if ext is None:
+        raise RuntimeError(f"fp32 CPU decode kernel unavailable: {unavailable_reason('fp32')}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+    y = ext.linear(x.reshape(-1, x.shape[-1]), packed, out_features, scale, bias)  # [rows, N]
+    return y.view(*x.shape[:-1], out_features)
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of packed weight (and scales) a forward through `module`'s PackedLinears streams."""
+    return sum(m.packed.numel() * m.packed.element_size() + (m.scale.numel() * 4 if m.scale is not None else 0)
+               for m in module.modules() if isinstance(m, PackedLinear))
+
+
 class PackedLinear(nn.Module):
-    """Inference-only stand-in for a bf16 `nn.Linear` on CPU that runs through the packed kernel.
+    """Inference-only stand-in for a CPU `nn.Linear` (bf16 or fp32) that runs through the packed kernel of its
+    dtype. Keeps `weight` (and `bias`) as they were, so code that reads `.weight.dtype` still works.
 
-    Keeps `weight` (and `bias`) as they were, so code that reads `.weight.dtype` still works."""
+    `weights` (fp32 layers only): how the kernel stores the weight it streams. With bf16 or int8 the kernel
+    computes with the compressed weight, not `lin.weight`: `compress` gives the fp32 weight that stands for it."""
 
-    def __init__(self, lin: nn.Linear) -> None:
+    def __init__(self, lin: nn.Linear, weights: str = "fp32") -> None:
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight, self.bias = lin.weight, lin.bias
-        self.register_buffer("packed", pack(lin.weight), persistent=False)
+        self.kind = kind_for(lin.weight.dtype)
+        if self.kind == "bf16":
+            if weights != "fp32":
+                raise ValueError(f"weights={weights!r} needs fp32 layers (this one is bf16)")
+            self.register_buffer("packed", pack(lin.weight), persistent=False)
+            self.scale = None
+        elif self.kind == "fp32":
+            stored, scale, _ = compress(lin.weight, weights)
+            self.register_buffer("packed", pack_fp32(stored), persistent=False)
+            self.register_buffer("scale", scale, persistent=False)
+        else:
+            raise ValueError(f"no CPU decode kernel for {lin.weight.dtype} layers")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.packed, self.out_features, self.bias)
+        if self.kind == "bf16":
+            return linear(x, self.packed, self.out_features, self.bias)
+        return linear_fp32(x, self.packed, self.out_features, self.scale, self.bias)
 
 
 def with_packed_linears(module: nn.Module) -> nn.Module:
-    """A copy of `module` (inference only) whose bf16 CPU `nn.Linear` layers use the packed kernel; the module
-    itself when there is nothing to replace or the kernel is unavailable. Used for drafters at decode time,
-    where each draft step multiplies one row per request by every draft weight."""
+    """A copy of `module` (inference only) whose bf16 or fp32 CPU `nn.Linear` layers use the packed kernel of
+    their dtype; the module itself when there is nothing to replace or the kernel is unavailable. Used for
+    drafters at decode time, where each draft step multiplies one row per request by every draft weight."""
     def fits(m: nn.Module) -> bool:
-        return (type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
-                and m.in_features % 2 == 0)
+        kind = kind_for(m.weight.dtype) if type(m) is nn.Linear else None
+        return (kind is not None and m.weight.device.type == "cpu" and available(kind)
+                and (kind == "fp32" or m.in_features % 2 == 0))
 
-    if not any(fits(m) for m in module.modules()) or not available():
+    if not any(fits(m) for m in module.modules()):
         return module
     out = copy.deepcopy(module)
     for parent in list(out.modules()):

@@ -94,12 +94,14 @@ class SpeculativeGenerator:
         drafter: a drafter trained for this target (`drafthead.family.Drafter`), or None (modes "ar"
             and "ngram" only). Modes "chain" / "tree" need the drafter to list them in `draft_modes`.
         device: where to run.
+        weights: None, or "bf16" / "int8": an fp32 CPU target's decode kernel streams compressed weights
+            (the target's weights are rounded in place to match; see `TargetModel`).
     Raises:
         ValueError: unsupported target, or a drafter that does not fit the target.
     """
 
-    def __init__(self, target: Target, drafter: nn.Module | None = None, device: str | torch.device = "cpu"
-                 ) -> None:
+    def __init__(self, target: Target, drafter: nn.Module | None = None, device: str | torch.device = "cpu",
+                 weights: str | None = None) -> None:
         self.target = target
         self.device = torch.device(device)
         self.drafter = drafter.to(self.device).eval() if drafter is not None else None
@@ -110,7 +112,7 @@ class SpeculativeGenerator:
             else cpu_linear.with_packed_linears(self.drafter))
         aux = check_drafter(drafter, target.config) if drafter is not None else []
         last = drafter is not None and drafter.features == "last"
-        self.model = TargetModel(target.model.to(self.device), aux, capture_last=last)
+        self.model = TargetModel(target.model.to(self.device), aux, capture_last=last, weights=weights)
         self.eos = eos_ids(target)
 
     # ---- public ---------------------------------------------------------------------------------

@@ -34,10 +34,14 @@ class TargetModel:
         aux_layer_ids: decoder layers whose *input* is returned as aux features.
         capture_last: return the last hidden state (after the final norm, what lm_head reads) as the
             features instead (drafters whose `features` is "last").
+        weights: None (the weights as loaded) or "bf16" / "int8" (fp32 CPU targets): the decode kernel streams
+            the projection weights compressed (half / a quarter of the bytes), and the model's own weights
+            are rounded in place to the values that stand for them, so prompts, decode steps, verify blocks
+            and HF `generate` on the same model all run one set of weights.
     """
 
     def __init__(self, model: nn.Module, aux_layer_ids: list[int] | tuple[int, ...] = (),
-                 capture_last: bool = False) -> None:
+                 capture_last: bool = False, weights: str | None = None) -> None:
         c = model.config
         if c.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"target model_type {c.model_type!r} is not supported by the runtime "
@@ -62,11 +66,52 @@ class TargetModel:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.chunk_rows = self.dtype == torch.bfloat16 and self.device.type == "cpu"
-        # bf16 on CPU: generated tokens (decode steps, verify blocks) go through the packed AVX512-BF16 kernel,
-        # prompts through oneDNN (faster at many rows); both are row-invariant, each on its own side.
+        # On CPU, generated tokens (decode steps, verify blocks) go through the packed kernel of the dtype
+        # (bf16: AVX512-BF16; fp32: AVX2/FMA), prompts through oneDNN (faster at many rows); both are
+        # row-invariant, each on its own side.
         dims = (c.hidden_size, c.intermediate_size, self.head_dim * c.num_attention_heads)
-        self.decode_kernel = self.chunk_rows and all(d % 2 == 0 for d in dims) and cpu_linear.available()
+        kind = cpu_linear.kind_for(self.dtype) if self.device.type == "cpu" else None
+        self.decode_kernel = bool(kind and (kind == "fp32" or all(d % 2 == 0 for d in dims))
+                                  and cpu_linear.available(kind))
+        self.kernel = kind if self.decode_kernel else None  # for reports: which kernel runs generated tokens
         self._packed: dict[nn.Module, cpu_linear.PackedLinear] = {}  # made on first decode use
+        self.weights = weights or "fp32"
+        if weights is not None and weights != "fp32":
+            self._compress(weights)
+
+    def projections(self) -> list[nn.Linear]:
+        """Every weight a generated token streams: the layers' projections and the head."""
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        out = [getattr(layer.self_attn, n) for layer in self.layers for n in names]
+        out += [getattr(layer.mlp, n) for layer in self.layers for n in ("gate_proj", "up_proj", "down_proj")]
+        return out + [self.model.lm_head]
+
+    def _compress(self, weights: str) -> None:
+        if weights not in cpu_linear.WEIGHTS:
+            raise ValueError(f"weights={weights!r}: use one of {', '.join(cpu_linear.WEIGHTS)} (or null)")
+        if self.kernel != "fp32":
+            why = (f"the target is {str(self.dtype).removeprefix('torch.')} on {self.device.type}"
+                   if cpu_linear.kind_for(self.dtype) != "fp32" or self.device.type != "cpu"
+                   else f"the fp32 CPU kernel is unavailable ({cpu_linear.unavailable_reason('fp32')})")
+            raise ValueError(f"weights={weights} needs an fp32 target on a CPU with the fp32 decode kernel: {why}")
+        for proj in self.projections():
+            if proj in self._packed:  # tied weights (a shared module) are compressed once
+                continue
+            self._packed[proj] = cpu_linear.PackedLinear(proj, weights)  # packed from the weight as loaded
+            with torch.no_grad():
+                proj.weight.copy_(cpu_linear.compress(proj.weight, weights)[2])
+
+    def streamed_bytes(self) -> int:
+        """Bytes of projection weights one generated token streams (what bounds a decode step)."""
+        total = 0
+        for proj in dict.fromkeys(self.projections()):
+            if self.decode_kernel:
+                if proj not in self._packed:
+                    self._packed[proj] = cpu_linear.PackedLinear(proj)
+                total += cpu_linear.packed_bytes(self._packed[proj])
+            else:
+                total += proj.weight.numel() * proj.weight.element_size()
+        return total
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
         """Zeroed KV cache [B, L*2*kvh, S, D]."""
@@ -151,8 +196,8 @@ class TargetModel:
         ck, cv = self.layer_kv(cache, i)
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
-        # generated bf16 tokens on CPU: SDPA calls of a fixed query count, so a verify block rounds like single steps
-        per_query = not prefill and x.device.type == "cpu" and x.dtype == torch.bfloat16
+        # generated tokens on CPU: SDPA calls of a fixed query count, so a verify block rounds like single steps
+        per_query = not prefill and x.device.type == "cpu" and (x.dtype == torch.bfloat16 or self.decode_kernel)
         o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
         h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
         mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h)
@@ -161,8 +206,8 @@ class TargetModel:
 
     def linear(self, proj: nn.Module, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         """proj(x) for x [B, T, in] whose rows have the same bits whatever B*T is (a verify block = the same
-        tokens decoded one by one). bf16 on CPU: generated tokens through the packed decode kernel, prompts
-        through oneDNN in chunks of INVARIANT_ROWS rows."""
+        tokens decoded one by one). On CPU: generated tokens through the packed decode kernel of the dtype;
+        bf16 prompts through oneDNN in chunks of INVARIANT_ROWS rows."""
         if self.decode_kernel and not prefill:
             fast = self._packed.get(proj)
             if fast is None:

@@ -1,0 +1,90 @@
+"""Where a decode step and a verify block spend their time, by phase, in our runtime's target forward.
+
+    python scripts/profile_step.py                                  # SmolLM2, the run's dtype, weights as loaded
+    python scripts/profile_step.py dtype=float32 weights=int8 rows=[1,8] prefix=256 repeats=20
+
+Runs one forward of `rows` new tokens on a cached prefix under torch.profiler and groups the operators into
+phases: projections (the decode kernel or oneDNN), attention (SDPA), norms, RoPE and elementwise math, KV
+writes and masks, and the rest of the wall time (Python and dispatch overhead). Prints the CPU class, the
+kernel, the bandwidth bound (`drafthead bench`'s) and milliseconds per phase, so the next thing to trim is the
+biggest row after the projections.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from omegaconf import OmegaConf
+
+from drafthead import hardware
+from drafthead.runtime import TargetModel
+from drafthead.target import load_target
+from eval.bench import bandwidth_bound
+
+DEFAULTS = dict(target="smollm2-135m-instruct", dtype="auto", weights=None, rows=[1, 8], prefix=256, repeats=20,
+                threads=None)
+
+# operator name (substring) -> phase; the first match wins
+PHASES = [
+    ("drafthead_cpu_linear", "projections"), ("aten::linear", "projections"), ("aten::addmm", "projections"),
+    ("aten::mm", "projections"), ("aten::matmul", "projections"),
+    ("scaled_dot_product", "attention"), ("_flash_attention", "attention"), ("aten::bmm", "attention"),
+    ("rms_norm", "norms"), ("aten::pow", "norms"), ("aten::rsqrt", "norms"),
+    ("aten::index_put", "kv writes, masks"), ("aten::copy_", "kv writes, masks"), ("aten::slice", "kv writes, masks"),
+    ("aten::lt", "kv writes, masks"), ("aten::le", "kv writes, masks"), ("aten::ge", "kv writes, masks"),
+    ("aten::__or__", "kv writes, masks"), ("aten::__and__", "kv writes, masks"), ("aten::bitwise", "kv writes, masks"),
+    ("aten::arange", "kv writes, masks"), ("aten::cat", "rope, elementwise"), ("aten::mul", "rope, elementwise"),
+    ("aten::add", "rope, elementwise"), ("aten::neg", "rope, elementwise"), ("aten::silu", "rope, elementwise"),
+    ("aten::embedding", "embedding"),
+]
+
+
+def phase_of(name: str) -> str:
+    return next((p for key, p in PHASES if key in name), "other ops")
+
+
+def main(argv: list[str]) -> int:
+    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    target = load_target(cfg.target, dtype=cfg.dtype)
+    tm = TargetModel(target.model, weights=cfg.weights)
+    bound = bandwidth_bound(tm, "cpu")
+    print(f"CPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()}), {torch.get_num_threads()} "
+          f"threads, {str(tm.dtype).removeprefix('torch.')}, kernel {tm.kernel or 'none (oneDNN)'}, weights "
+          f"{tm.weights}: {bound['weight_bytes'] / 1e6:.0f} MB a token at {bound['read_gb_per_s']:.1f} GB/s -> "
+          f"bound {bound['bound_ms']:.1f} ms")
+    prefix = torch.randint(100, 20000, (1, int(cfg.prefix)), generator=torch.Generator().manual_seed(0))
+    cache = tm.new_cache(1, int(cfg.prefix) + max(cfg.rows))
+    lens = torch.zeros(1, dtype=torch.long)
+    tm.forward(cache, prefix, lens, prefill=True)
+    lens = lens + int(cfg.prefix)
+    for n in cfg.rows:
+        new = prefix[:, :n]  # [1, n]
+        for _ in range(3):
+            tm.forward(cache, new, lens)  # warm-up: packs the weights, first-shape costs
+        walls = []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(int(cfg.repeats)):
+                t0 = time.perf_counter()
+                tm.forward(cache, new, lens)
+                walls.append(time.perf_counter() - t0)
+        by_phase: dict[str, float] = defaultdict(float)
+        for ev in prof.key_averages():
+            by_phase[phase_of(ev.key)] += ev.self_cpu_time_total / 1000 / int(cfg.repeats)  # ms per forward
+        wall = 1000 * statistics.median(walls)
+        ops = sum(by_phase.values())
+        print(f"\n{n} new token(s): median {wall:.1f} ms a forward under the profiler "
+              f"({wall / bound['bound_ms']:.2f}x the bound); operator time {ops:.1f} ms")
+        for name, ms in sorted(by_phase.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<22} {ms:8.2f} ms  {100 * ms / wall:5.1f} %")
+        print(f"  {'python, dispatch':<22} {max(0.0, wall - ops):8.2f} ms  {100 * max(0.0, wall - ops) / wall:5.1f} %"
+              f"  (wall minus operator self time; profiler overhead included)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
