@@ -20,7 +20,7 @@
 namespace {
 
 constexpr int64_t kLanes = 8;  // outputs per packed block
-constexpr int kBlocks = 3;     // packed blocks per tile (24 outputs)
+constexpr int kBlocks = 6;     // packed blocks per work item (48 outputs)
 constexpr int kRows = 4;       // rows of x per tile (4 x 3 accumulators + 3 weights + 1 broadcast = 16 ymm)
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -71,14 +71,19 @@ inline void tile(const float* x, int64_t K, const W* p, const float* scale, cons
   }
 }
 
+// Blocks b0..b0+B-1 for every row: 4-row tiles of 3 blocks; a lone row (a decode step) takes all B blocks
+// at once, so B independent FMA chains hide the FMA latency (3 chains left a 1-row call latency-bound).
 template <typename W, int B>
 inline void rows(const float* x, int64_t M, int64_t K, const W* p, const float* scale, const float* bias,
                  int64_t b0, float* y, int64_t N) {
+  static_assert(B == 1 || B % 3 == 0, "B is 1 or a multiple of 3");
+  constexpr int S = B == 1 ? 1 : 3;  // blocks per multi-row tile
   int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<W, kRows, B>(x, K, p, scale, bias, b0, y, N, m);
+  for (; m + kRows <= M; m += kRows)
+    for (int j = 0; j < B; j += S) tile<W, kRows, S>(x, K, p, scale, bias, b0 + j, y, N, m);
   switch (M - m) {
-    case 3: tile<W, 3, B>(x, K, p, scale, bias, b0, y, N, m); break;
-    case 2: tile<W, 2, B>(x, K, p, scale, bias, b0, y, N, m); break;
+    case 3: for (int j = 0; j < B; j += S) tile<W, 3, S>(x, K, p, scale, bias, b0 + j, y, N, m); break;
+    case 2: for (int j = 0; j < B; j += S) tile<W, 2, S>(x, K, p, scale, bias, b0 + j, y, N, m); break;
     case 1: tile<W, 1, B>(x, K, p, scale, bias, b0, y, N, m); break;
     default: break;
   }
