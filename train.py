@@ -192,15 +192,13 @@ def main(argv: list[str]) -> Path:
                 log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
                     + (f"block accept len {block:.2f}" if block is not None else
                        f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}"))
-                L.trim_freed_memory()
-                heap_cap.reset()
+                heap_cap.trim()
                 clock.spent("eval", time.perf_counter() - t_side)
             t_side = time.perf_counter()
             if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                     stop_after and steps_this_process >= stop_after):
                 L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints)
-                L.trim_freed_memory()
-                heap_cap.reset()
+                heap_cap.trim()
                 clock.spent("save", time.perf_counter() - t_side)
             if step >= total_steps or (stop_after and steps_this_process >= stop_after):
                 done = True

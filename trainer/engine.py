@@ -186,14 +186,15 @@ class HeapCap:
             return False
         if rss - self.base < self.slack:
             return False
-        trim_freed_memory()
-        self.reset()
-        self.trims += 1
+        self.trim()
         return True
 
-    def reset(self) -> None:
-        """After a trim (here or elsewhere): the next call measures the new base."""
+    def trim(self) -> None:
+        """Hand the freed heap back now (also at evaluations and checkpoints); the next call measures the
+        new base."""
+        trim_freed_memory()
         self.base = None
+        self.trims += 1
 
 
 def autocast(dtype: str, device: torch.device, engine_kind: str):

@@ -136,6 +136,14 @@ def unavailable_reason(kind: str = "bf16") -> str | None:
     return got if isinstance(got, str) else None
 
 
+def _ext(kind: str) -> ModuleType:
+    """The built extension of this kind, or a RuntimeError naming why there is none."""
+    ext = _load(kind)
+    if ext is None:
+        raise RuntimeError(f"{kind} CPU decode kernel unavailable: {unavailable_reason(kind)}")
+    return ext
+
+
 def kind_for(dtype: torch.dtype) -> str | None:
     """The kernel kind that runs generated tokens of this dtype on CPU (None: no kernel, oneDNN)."""
     return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype)
@@ -143,9 +151,7 @@ def kind_for(dtype: torch.dtype) -> str | None:
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """bf16 weight [N, K] (K even) -> packed [ceil(N/16), K/2, 16, 2], made once per weight."""
-    ext = _load()
-    if ext is None:
-        raise RuntimeError(f"bf16 CPU decode kernel unavailable: {unavailable_reason()}")
+    ext = _ext("bf16")
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
         raise ValueError(f"pack needs a bf16 [N, K] weight with K even, got {weight.dtype} {tuple(weight.shape)}")
     return ext.pack(weight.detach().cpu())
@@ -153,9 +159,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] bf16 @ packed weight (+ bias, added in fp32 before the one rounding) -> [..., out_features]."""
-    ext = _load()
-    if ext is None:
-        raise RuntimeError(f"bf16 CPU decode kernel unavailable: {unavailable_reason()}")
+    ext = _ext("bf16")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16, got {x.dtype}")
     y = ext.linear(x.reshape(-1, x.shape[-1]), packed, out_features, bias)  # [rows, N]
@@ -182,9 +186,7 @@ def compress(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Te
 
 def pack_fp32(stored: torch.Tensor) -> torch.Tensor:
     """Stored weight [N, K] from `compress` -> packed [ceil(N/8), K, 8], made once per weight."""
-    ext = _load("fp32")
-    if ext is None:
-        raise RuntimeError(f"fp32 CPU decode kernel unavailable: {unavailable_reason('fp32')}")
+    ext = _ext("fp32")
     if stored.dim() != 2 or stored.dtype not in (torch.float32, torch.int16, torch.int8):
         raise ValueError(f"pack_fp32 needs a [N, K] float32, int16 (bf16 bits) or int8 weight from compress(), "
                          f"got {stored.dtype} {tuple(stored.shape)}")
@@ -194,9 +196,7 @@ def pack_fp32(stored: torch.Tensor) -> torch.Tensor:
 def linear_fp32(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] fp32 @ packed weight (* scale, int8 only) (+ bias) -> [..., out_features] fp32."""
-    ext = _load("fp32")
-    if ext is None:
-        raise RuntimeError(f"fp32 CPU decode kernel unavailable: {unavailable_reason('fp32')}")
+    ext = _ext("fp32")
     if x.dtype != torch.float32:
         raise ValueError(f"x must be float32, got {x.dtype}")
     y = ext.linear(x.reshape(-1, x.shape[-1]), packed, out_features, scale, bias)  # [rows, N]
@@ -214,9 +214,11 @@ class PackedLinear(nn.Module):
     dtype. Keeps `weight` (and `bias`) as they were, so code that reads `.weight.dtype` still works.
 
     `weights` (fp32 layers only): how the kernel stores the weight it streams. With bf16 or int8 the kernel
-    computes with the compressed weight, not `lin.weight`: `compress` gives the fp32 weight that stands for it."""
+    computes with the compressed weight, not `lin.weight`: `compress` gives the fp32 weight that stands for it.
+    `compressed`: (stored, scale) from `compress(lin.weight, weights)` when the caller made it already."""
 
-    def __init__(self, lin: nn.Linear, weights: str = "fp32") -> None:
+    def __init__(self, lin: nn.Linear, weights: str = "fp32",
+                 compressed: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = lin.in_features, lin.out_features
         self.weight, self.bias = lin.weight, lin.bias
@@ -227,7 +229,7 @@ class PackedLinear(nn.Module):
             self.register_buffer("packed", pack(lin.weight), persistent=False)
             self.scale = None
         elif self.kind == "fp32":
-            stored, scale, _ = compress(lin.weight, weights)
+            stored, scale = compressed if compressed is not None else compress(lin.weight, weights)[:2]
             self.register_buffer("packed", pack_fp32(stored), persistent=False)
             self.register_buffer("scale", scale, persistent=False)
         else:

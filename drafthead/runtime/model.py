@@ -97,18 +97,24 @@ class TargetModel:
         for proj in self.projections():
             if proj in self._packed:  # tied weights (a shared module) are compressed once
                 continue
-            self._packed[proj] = cpu_linear.PackedLinear(proj, weights)  # packed from the weight as loaded
+            stored, scale, effective = cpu_linear.compress(proj.weight, weights)  # from the weight as loaded
+            self._packed[proj] = cpu_linear.PackedLinear(proj, weights, compressed=(stored, scale))
             with torch.no_grad():
-                proj.weight.copy_(cpu_linear.compress(proj.weight, weights)[2])
+                proj.weight.copy_(effective)
+
+    def packed(self, proj: nn.Module) -> cpu_linear.PackedLinear:
+        """The decode kernel's packed copy of `proj`, made on first use."""
+        fast = self._packed.get(proj)
+        if fast is None:
+            fast = self._packed[proj] = cpu_linear.PackedLinear(proj)
+        return fast
 
     def streamed_bytes(self) -> int:
         """Bytes of projection weights one generated token streams (what bounds a decode step)."""
         total = 0
         for proj in dict.fromkeys(self.projections()):
             if self.decode_kernel:
-                if proj not in self._packed:
-                    self._packed[proj] = cpu_linear.PackedLinear(proj)
-                total += cpu_linear.packed_bytes(self._packed[proj])
+                total += cpu_linear.packed_bytes(self.packed(proj))
             else:
                 total += proj.weight.numel() * proj.weight.element_size()
         return total
@@ -209,10 +215,7 @@ class TargetModel:
         tokens decoded one by one). On CPU: generated tokens through the packed decode kernel of the dtype;
         bf16 prompts through oneDNN in chunks of INVARIANT_ROWS rows."""
         if self.decode_kernel and not prefill:
-            fast = self._packed.get(proj)
-            if fast is None:
-                fast = self._packed[proj] = cpu_linear.PackedLinear(proj)
-            return fast(x)
+            return self.packed(proj)(x)
         rows = x.shape[0] * x.shape[1]
         if not self.chunk_rows or rows <= INVARIANT_ROWS:
             return proj(x)
