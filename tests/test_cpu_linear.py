@@ -196,3 +196,16 @@ def test_with_packed_linears_packs_fp32_linears_too() -> None:
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(fast(x[2:3]), fast(x)[2:3])
     assert cpu_linear.packed_bytes(fast) == (8 * 8 * 64 + 3 * 8 * 64) * 4  # 64 -> 8 blocks, 20 -> 3 blocks of 8
+
+
+def test_packed_linear_and_kind_bad_inputs_are_named_errors() -> None:
+    with pytest.raises(ValueError, match="unknown CPU kernel kind 'fp16'; kinds: bf16, fp32"):
+        cpu_linear.available("fp16")
+    with pytest.raises(ValueError, match="no CPU decode kernel for torch.float16 layers"):
+        cpu_linear.PackedLinear(nn.Linear(8, 8).half())
+
+
+@needs_kernel
+def test_compressed_weights_on_a_bf16_layer_are_a_named_error() -> None:
+    with pytest.raises(ValueError, match="weights='int8' needs fp32 layers \\(this one is bf16\\)"):
+        cpu_linear.PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), "int8")
