@@ -97,17 +97,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, diag_k: list[torch.Tensor],
-                  diag_v: list[torch.Tensor], causal: torch.Tensor) -> torch.Tensor:
+                  diag_v: list[torch.Tensor], causal: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Training-time-test attention (EAGLE3's TTT): what a KV-cached draft chain attends to at depth
     len(diag_k), for every position at once. Row t attends causally to the step-0 entries (k0, v0), built
     from the target's features, and to row t alone of each later step's entries (diag_k / diag_v), the
     draft's own earlier outputs along that row's chain.
 
     q [B, h, T, D]; k0, v0 [B, h, T, D] (kv heads already expanded); diag_k / diag_v lists of [B, h, T, D];
-    causal [T, T] bool. Returns [B, h, T, D]. Softmax in fp32.
+    causal [T, T] bool; scale defaults to D^-0.5. Returns [B, h, T, D]. Softmax in fp32.
     """
     T = k0.shape[2]
-    scale = q.shape[-1] ** -0.5
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     s0 = (q @ k0.transpose(-1, -2)) * scale  # [B, h, T, T]
     s0 = s0.masked_fill(~causal, float("-inf"))
     sd = [(q * kj).sum(-1, keepdim=True) * scale for kj in diag_k]  # [B, h, T, 1] each

@@ -19,14 +19,14 @@ from __future__ import annotations
 import copy
 import importlib
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family
-from drafthead.layers import apply_rope, shift, soft_cross_entropy
+from drafthead.layers import apply_rope, shift, soft_cross_entropy, ttt_attention
 
 ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # model_type -> transformers class prefix
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -42,6 +42,8 @@ class LoraOptions:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(MODULES))  # projections with adapters
     lora_head: bool = False  # an adapter on the (otherwise frozen) lm_head too
+    num_draft_tokens: int = 1  # draft depths trained: > 1 is the multi-step mode (steps 2.. on the draft's tokens)
+    step_decay: float = 1.0  # loss weight of depth i: step_decay ** i
 
     def validate(self) -> None:
         if self.exit_layer < 0:
@@ -52,6 +54,10 @@ class LoraOptions:
             raise ValueError(f"rank: {self.rank} (must be >= 1)")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"dropout: {self.dropout} (must be in [0, 1))")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens: {self.num_draft_tokens} (must be >= 1)")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"step_decay: {self.step_decay} (must be in (0, 1])")
         bad = sorted(set(self.target_modules) - set(MODULES))
         if bad or not self.target_modules:
             raise ValueError(f"target_modules: {bad or 'empty'} (choose from {', '.join(MODULES)})")
@@ -67,7 +73,8 @@ class LoraDraftConfig:
     lora_head: bool
     target_config: dict  # the target's HF config: the exit block is its architecture, layer for layer
     dropout: float = 0.0
-    num_draft_tokens: int = 1  # depths one training forward reports (the next token)
+    num_draft_tokens: int = 1  # depths one training forward trains and reports (1: the next token)
+    step_decay: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -102,9 +109,15 @@ def arch_class(model_type: str, suffix: str) -> type:
     return getattr(mod, ARCHS[model_type] + suffix)
 
 
-def layer_forward(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One pre-norm decoder layer of the target's architecture with causal attention over h [B, T, H]
-    (the module's own projections: peft-wrapped ones add their adapters). cos/sin [B, 1, T, D]."""
+def layer_forward(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer of the target's architecture over h [B, T, H] (the module's own projections:
+    peft-wrapped ones add their adapters). cos/sin [B, 1, T, D]. Returns (h, k, v), k and v [B, h, T, D] with
+    the kv heads expanded (what a later depth attends to).
+
+    kv None: causal attention over h (teacher forcing, positions 0..T-1). kv = (k0, v0, diag_k, diag_v,
+    causal): a later draft depth of every row's chain at once (`ttt_attention`): row t attends to the teacher-
+    forced entries 0..t and to its own row of each earlier depth, then its own entry."""
     B, T, _ = h.shape
     attn = layer.self_attn
     D = attn.head_dim
@@ -115,9 +128,15 @@ def layer_forward(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: tor
     if hasattr(attn, "q_norm"):  # Qwen3
         q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)  # [B, h, T, D]
+    if kv is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling, enable_gqa=True)  # [B, h, T, D]
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # [B, h, T, D]
+    if kv is not None:
+        k0, v0, diag_k, diag_v, causal = kv
+        o = ttt_attention(q, k0, v0, diag_k + [k], diag_v + [v], causal, attn.scaling)  # [B, h, T, D]
     h = h + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + layer.mlp(layer.post_attention_layernorm(h)), k, v
 
 
 def lora_pattern(target_modules: list[str], lora_head: bool) -> str:
@@ -145,6 +164,7 @@ class LoraDrafter(nn.Module):
         self.norm = arch_class(c.model_type, "RMSNorm")(c.hidden_size, eps=tc.rms_norm_eps)
         self.target_lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.rotary = arch_class(c.model_type, "RotaryEmbedding")(config=tc)
+        self.shallow: list[nn.Module] | None = None  # the target's layers < E, for the multi-step mode
         inject_adapter_in_model(LoraConfig(r=c.rank, lora_alpha=c.alpha, lora_dropout=c.dropout, bias="none",
                                            target_modules=lora_pattern(c.target_modules, c.lora_head)), self)
         for name, p in self.named_parameters():
@@ -220,33 +240,98 @@ class LoraDrafter(nn.Module):
     def exit_hidden(self, h: torch.Tensor) -> torch.Tensor:
         """Exit block + final norm over h [B, T, H] (the input of layer E), causal, positions 0..T-1."""
         B, T, _ = h.shape
-        pos = torch.arange(T, device=h.device)[None].expand(B, T)
-        cos, sin = self.rotary(h, pos)  # [B, T, D] each
-        cos, sin = cos[:, None].to(h.dtype), sin[:, None].to(h.dtype)
+        cos, sin = self._rope(h, torch.arange(T, device=h.device)[None].expand(B, T))
         for layer in self.layers:
-            h = layer_forward(layer, h, cos, sin)
+            h = layer_forward(layer, h, cos, sin)[0]
         return self.norm(h)  # [B, T, H]
+
+    def attach_shallow(self, target_model: nn.Module) -> None:
+        """The target's layers < E, for the multi-step mode (depths > 1 run them on the draft's own tokens).
+        Held in a plain list: they are the target's (frozen, shared), never the drafter's state."""
+        from drafthead.target import decoder_layers
+
+        self.shallow = list(decoder_layers(target_model)[: self.config.exit_layer])
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
                 target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None
                 ) -> dict[str, torch.Tensor]:
         """Soft cross-entropy against the target's next-token distribution at every position whose next
         token is an assistant token. aux_hidden [B, T, H] the input of layer E; teacher_probs [B, T, V]
-        (full vocabulary, position t predicts x_{t+1}); target_argmax [B, T]."""
+        (full vocabulary, position t predicts x_{t+1}); target_argmax [B, T]; input_ids [B, T].
+
+        Depth i > 0 (the multi-step mode, num_draft_tokens > 1): row t's chain continues from the draft's
+        own argmax of depth i-1, run through the target's frozen layers < E and the exit block as the
+        runtime drafts it (attending to the teacher-forced entries 0..t and its own earlier depths), and
+        is scored against x_{t+1+i}. Returns `loss` and per depth `step_loss`, `correct`, `count` [K]."""
         c = self.config
+        K = c.num_draft_tokens
         if teacher_probs.shape[-1] != c.vocab_size:
             raise ValueError(f"LoRA teacher probabilities must cover the full target vocab ({c.vocab_size}), got "
                              f"{teacher_probs.shape[-1]}")
-        mask = shift(loss_mask, 1).bool()  # [B, T] x_{t+1} is an assistant token
-        out = self.exit_hidden(aux_hidden.to(self.norm.weight.dtype))  # [B, T, H]
-        b_i, t_i = mask.nonzero(as_tuple=True)
-        logits = self.target_lm_head(out[b_i, t_i])  # [M, V]
-        tgt = target_argmax[b_i, t_i]  # [M]
-        ce = soft_cross_entropy(logits, teacher_probs[b_i, t_i])  # [M]
-        loss = (ce * (tgt >= 0)).sum() / max(int(b_i.numel()), 1)
-        correct = (logits.detach().max(-1).indices == tgt).sum().float()
-        return {"loss": loss, "step_loss": loss.detach()[None], "correct": correct[None],
-                "count": torch.tensor([float(b_i.numel())], device=loss.device)}
+        if K > 1 and self.shallow is None:
+            raise ValueError("num_draft_tokens > 1 needs the target's layers < exit_layer (attach_shallow)")
+        masks = [shift(loss_mask, 1 + i).bool() for i in range(K)]  # [B, T] x_{t+1+i} is an assistant token
+        T = input_ids.shape[1]
+        total = aux_hidden.new_zeros((), dtype=torch.float32)
+        step_loss, correct, count = [], [], []
+        for i, (b_i, t_i, logits) in enumerate(self.depths(input_ids, aux_hidden, masks)):
+            scored = masks[i][b_i, t_i]  # [M] (the head also ran where only the next depth needs a token)
+            t_next = (t_i + i).clamp(max=T - 1)  # [M] row (b, t+i) predicts x_{t+1+i}
+            tgt = target_argmax[b_i, t_next]  # [M]
+            ce = soft_cross_entropy(logits, teacher_probs[b_i, t_next])  # [M]
+            n = max(int(scored.sum()), 1)
+            li = (ce * (scored & (tgt >= 0))).sum() / n
+            total = total + (c.step_decay ** i) * li
+            step_loss.append(li.detach())
+            correct.append(((logits.detach().max(-1).indices == tgt) & scored).sum().float())
+            count.append(scored.sum().float())
+        return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct),
+                "count": torch.stack(count)}
+
+    def depths(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, masks: list[torch.Tensor]
+               ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per draft depth i < len(masks): (b, t, logits [M, V]) at the rows masks[i] or masks[i+1] hold
+        (depth i+1 continues from depth i's argmax there; elsewhere it is not scored)."""
+        B, T, _ = aux_hidden.shape
+        K = len(masks)
+        dtype = self.norm.weight.dtype
+        pos = torch.arange(T, device=aux_hidden.device)[None].expand(B, T)  # [B, T]
+        h = aux_hidden.to(dtype)  # [B, T, H]
+        cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (shallow, then exit): depth-0 k, v
+        if K > 1:  # the teacher-forced entries of the shallow layers (frozen: no graph)
+            with torch.no_grad():
+                cos, sin = self._rope(h, pos)
+                x = self.embed_tokens(input_ids).to(dtype)  # [B, T, H]
+                for layer in self.shallow:
+                    x, k, v = layer_forward(layer, x, cos, sin)
+                    cache.append((k, v))
+        causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+        diag: list[tuple[list, list]] = [([], []) for _ in range(len(cache) + len(self.layers))]
+        drafted = None
+        for i in range(K):
+            cos, sin = self._rope(h, pos + i)
+            if i == 0:
+                for layer in self.layers:
+                    h, k, v = layer_forward(layer, h, cos, sin)
+                    cache.append((k, v))
+            else:  # x_{t+i} is the draft's own token of depth i-1
+                h = self.embed_tokens(drafted).to(dtype)  # [B, T, H]
+                for j, layer in enumerate(self.shallow + list(self.layers)):
+                    with torch.set_grad_enabled(torch.is_grad_enabled() and j >= len(self.shallow)):
+                        h, k, v = layer_forward(layer, h, cos, sin, (*cache[j], *diag[j], causal))
+                    diag[j][0].append(k)
+                    diag[j][1].append(v)
+            rows = masks[i] | masks[i + 1] if i + 1 < K else masks[i]
+            b_i, t_i = rows.nonzero(as_tuple=True)
+            logits = self.target_lm_head(self.norm(h[b_i, t_i]))  # [M, V]
+            yield b_i, t_i, logits
+            if i + 1 < K:
+                drafted = shift(input_ids, 1 + i).clone()  # rows the head skipped: unscored, any token will do
+                drafted[b_i, t_i] = logits.detach().max(-1).indices
+
+    def _rope(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(h, pos)  # [B, T, D] each
+        return cos[:, None].to(h.dtype), sin[:, None].to(h.dtype)
 
     # ---- runtime -------------------------------------------------------------------------------
     def merged(self) -> "LoraDrafter":
@@ -404,7 +489,8 @@ def build(tcfg: Any, options: LoraOptions, layer_ids: list[int] | None, draft_vo
     keep = {k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version",)}
     return LoraDraftConfig(exit_layer=options.exit_layer, num_exit_layers=options.num_exit_layers, rank=options.rank,
                            alpha=float(options.alpha), target_modules=list(options.target_modules),
-                           lora_head=options.lora_head, target_config=keep, dropout=options.dropout)
+                           lora_head=options.lora_head, target_config=keep, dropout=options.dropout,
+                           num_draft_tokens=options.num_draft_tokens, step_decay=options.step_decay)
 
 
 def init(drafter: LoraDrafter, target: Any, options: LoraOptions) -> str:
@@ -412,6 +498,8 @@ def init(drafter: LoraDrafter, target: Any, options: LoraOptions) -> str:
     the draft starts as the plain early exit after layer E+n-1)."""
     drafter.attach_target(target.model, share=True)
     c = drafter.config
+    if c.num_draft_tokens > 1:
+        drafter.attach_shallow(target.model)
     return f"exit after layer {c.exit_layer + c.num_exit_layers - 1} (target layers shared, adapters fresh)"
 
 

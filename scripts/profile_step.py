@@ -32,7 +32,7 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="auto", weights=None, rows
 PHASES = [
     ("drafthead_cpu_linear", "projections"), ("aten::linear", "projections"), ("aten::addmm", "projections"),
     ("aten::mm", "projections"), ("aten::matmul", "projections"),
-    ("scaled_dot_product", "attention"), ("_flash_attention", "attention"), ("aten::bmm", "attention"),
+    ("scaled_dot_product", "attention"), ("drafthead_attention", "attention"), ("_flash_attention", "attention"), ("aten::bmm", "attention"),
     ("rms_norm", "norms"), ("aten::pow", "norms"), ("aten::rsqrt", "norms"),
     ("aten::index_put", "kv writes, masks"), ("aten::copy_", "kv writes, masks"), ("aten::slice", "kv writes, masks"),
     ("aten::lt", "kv writes, masks"), ("aten::le", "kv writes, masks"), ("aten::ge", "kv writes, masks"),
@@ -60,6 +60,13 @@ def main(argv: list[str]) -> int:
             return plain(self, x)
 
     cpu_linear.PackedLinear.forward = labelled
+    plain_attention = cpu_linear.attention_fp32
+
+    def labelled_attention(*args):
+        with torch.profiler.record_function("drafthead_attention"):
+            return plain_attention(*args)
+
+    cpu_linear.attention_fp32 = labelled_attention
     target = load_target(cfg.target, dtype=cfg.dtype)
     tm = TargetModel(target.model, weights=cfg.weights)
     bound = bandwidth_bound(tm, "cpu")

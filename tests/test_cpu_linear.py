@@ -209,3 +209,49 @@ def test_packed_linear_and_kind_bad_inputs_are_named_errors() -> None:
 def test_compressed_weights_on_a_bf16_layer_are_a_named_error() -> None:
     with pytest.raises(ValueError, match="weights='int8' needs fp32 layers \\(this one is bf16\\)"):
         cpu_linear.PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), "int8")
+
+
+def attention_reference(q, k, v, mask, scale):
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
+                                                            scale=scale, enable_gqa=True)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 2, 8)])
+def test_fp32_attention_matches_fp64_and_ignores_row_count_and_capacity(H: int, KVH: int, D: int) -> None:
+    """Causal and tree masks, requests at different lengths, k/v as views of a runtime-style cache: within fp32
+    rounding of fp64 SDPA; a query alone, inside a block and against a larger cache (more masked keys) gives
+    the same bits."""
+    from drafthead.runtime.model import attention_mask
+
+    g = torch.Generator().manual_seed(H + D)
+    B, T, S = 2, 7, 48
+    lens = torch.tensor([11, 30])
+    tree = torch.eye(T, dtype=torch.bool)[None].repeat(B, 1, 1)
+    tree[:, 1:, 0] = True  # a two-level tree: every node's parent is node 0
+    cache = torch.randn(B, 3 * 2 * KVH, S + 16, D, generator=g)  # three layers' k/v, 16 slots of spare capacity
+    k, v = cache[:, 2 * KVH: 3 * KVH], cache[:, 3 * KVH: 4 * KVH]  # layer 1's views, [B, kvh, S+16, D]
+    q = torch.randn(B, H, T, D, generator=g)
+    for tree_mask in (None, tree):
+        mask = attention_mask(lens, T, S, tree_mask)  # [B, 1, T, S]
+        o = cpu_linear.attention_fp32(q, k[:, :, :S], v[:, :, :S], mask, D ** -0.5)
+        ref = attention_reference(q, k[:, :, :S], v[:, :, :S], mask, D ** -0.5)
+        assert (o.double() - ref).abs().max() < 1e-5
+        wide = attention_mask(lens, T, S + 16, tree_mask)
+        assert torch.equal(cpu_linear.attention_fp32(q, k, v, wide, D ** -0.5), o)  # capacity does not matter
+        for t in range(T):
+            one = cpu_linear.attention_fp32(q[:, :, t: t + 1], k[:, :, :S], v[:, :, :S], mask[:, :, t: t + 1],
+                                            D ** -0.5)
+            assert torch.equal(one, o[:, :, t: t + 1]), t
+
+
+@needs_fp32_kernel
+def test_fp32_attention_bad_inputs_are_named_errors() -> None:
+    q, k, m = torch.randn(1, 2, 1, 12), torch.randn(1, 2, 5, 12), torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8"):
+        cpu_linear.attention_fp32(q, k, k, m, 1.0)
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_linear.attention_fp32(q.double(), k, k, m, 1.0)
+    with pytest.raises(RuntimeError, match="bool"):
+        cpu_linear.attention_fp32(q, k, k, m.float(), 1.0)

@@ -161,6 +161,40 @@ def test_gguf_export_holds_the_standalone_model(tmp_path, tiny_llama_dir):
     torch.testing.assert_close(got["token_embd.weight"], want["model.embed_tokens.weight"])
 
 
+def test_multi_step_depths_are_the_chain_the_runtime_drafts(arch):
+    """num_draft_tokens=3: depth i at row t is the draft run on the real prefix x_0..x_t followed by its own
+    argmax tokens of depths < i. Reference: that sequence through HF's target (layers < E) and the draft's
+    teacher-forced exit block, one sequence per row; then a training step gives adapters alone gradients."""
+    _, tdir = arch
+    target, drafter = built(tdir, "drafter.lora.num_draft_tokens=3")
+    assert drafter.shallow is not None and len(drafter.shallow) == E
+    assert not any(k.startswith("shallow") for k in drafter.state_dict())  # the target's, never saved
+    V = target.config.vocab_size
+    ids = torch.tensor([s["input_ids"] for s in samples(V, n=2, length=24, seed=9)])  # [2, 24]
+    with torch.no_grad():
+        aux = target.model(ids, output_hidden_states=True).hidden_states[E]  # [2, 24, H]
+        masks = [torch.ones_like(ids, dtype=torch.bool)] * 3
+        got = [(b.tolist(), t.tolist(), lg) for b, t, lg in drafter.depths(ids, aux, masks)]
+    for b, t in ((0, 3), (1, 10), (1, 20)):
+        chain = ids[b, : t + 1].tolist()
+        for i in range(3):
+            want = draft_logits(drafter, target, torch.tensor([chain]))[0, -1]
+            rows, cols, logits = got[i]
+            row = next(r for r, (bb, tt) in enumerate(zip(rows, cols)) if (bb, tt) == (b, t))
+            torch.testing.assert_close(logits[row], want, rtol=1e-4, atol=1e-4)
+            chain.append(int(logits[row].argmax()))
+    # training: three depths reported, finite loss, gradients on adapters only
+    lm = torch.zeros_like(ids)
+    lm[:, 8:] = 1
+    probs = torch.softmax(torch.randn(2, 24, V), -1)
+    out = drafter(ids, aux, probs, probs.argmax(-1), lm)
+    assert out["count"].tolist() == [32.0, 32.0, 32.0]  # x_{t+1+i} in 8..23: 16 rows each depth
+    out["loss"].backward()
+    grads = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads and all(".lora_" in n for n in grads)
+    assert all(p.grad is None for layer in drafter.shallow for p in layer.parameters())
+
+
 def test_confidence_stop_drafts_less_and_stays_lossless(tiny_llama_dir):
     target, drafter = built(tiny_llama_dir)
     gen = SpeculativeGenerator(target, drafter)

@@ -203,6 +203,14 @@ def linear_fp32(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale:
     return y.view(*x.shape[:-1], out_features)
 
 
+def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+                   ) -> torch.Tensor:
+    """Attention of generated fp32 tokens, each query on its own over the keys its mask allows (row-invariant:
+    a token's output does not depend on how many queries share the call or on the cache capacity).
+    q [B, h, T, D] (D a multiple of 8); k, v [B, kvh, S, D] (views of the cache); mask [B, 1, T, S] bool."""
+    return _ext("fp32").attention(q, k, v, mask, scale)
+
+
 def packed_bytes(module: nn.Module) -> int:
     """Bytes of packed weight (and scales) a forward through `module`'s PackedLinears streams."""
     return sum(m.packed.numel() * m.packed.element_size() + (m.scale.numel() * 4 if m.scale is not None else 0)

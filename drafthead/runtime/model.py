@@ -202,9 +202,11 @@ class TargetModel:
         ck, cv = self.layer_kv(cache, i)
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
-        # generated tokens on CPU: SDPA calls of a fixed query count, so a verify block rounds like single steps
-        per_query = not prefill and x.device.type == "cpu" and (x.dtype == torch.bfloat16 or self.decode_kernel)
-        o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
+        if self.kernel == "fp32" and not prefill and self.head_dim % 8 == 0:  # generated fp32 tokens on CPU
+            o = cpu_linear.attention_fp32(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling)  # [B, h, T, D]
+        else:  # generated bf16 tokens on CPU: SDPA calls of a fixed query count (a verify block rounds like steps)
+            per_query = not prefill and x.device.type == "cpu" and (x.dtype == torch.bfloat16 or self.decode_kernel)
+            o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
         h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
         mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h)
         gate, up = self.linear(mlp.gate_proj, x, prefill), self.linear(mlp.up_proj, x, prefill)  # [B, T, I]

@@ -1,0 +1,106 @@
+"""The CPU decode kernels alone: one pass over a model's projections at 1..16 rows, against the bandwidth bound.
+
+    python scripts/bench_cpu_linear.py                          # SmolLM2-135M's 30 layers of projections
+    python scripts/bench_cpu_linear.py rows=[1,8] layers=30 repeats=7 threads=2
+
+Why: `drafthead bench` times whole forwards, where attention and Python overhead hide what the projections
+cost. Here random weights of SmolLM2's shapes (q, k, v, o, gate, up, down per layer; ~530 MB in fp32, far
+past the caches) go through each kernel the runtime can pick (the fp32 AVX2 kernel with fp32 / bf16 / int8
+weights, the AVX512-BF16 kernel where the CPU has it) and through oneDNN (`F.linear`) for fp32, at each row
+count. Prints ms per pass, the weight bytes streamed per ms (GB/s), the cost relative to 1 row and the bound
+(bytes / the measured read bandwidth).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from drafthead import hardware  # noqa: E402
+from drafthead.kernels import cpu_linear  # noqa: E402
+from eval.bench import read_bandwidth  # noqa: E402
+
+DEFAULTS = dict(rows=[1, 2, 4, 8, 16], layers=30, hidden=576, kv=192, ffn=1536, repeats=7, threads=None)
+
+
+def shapes(c) -> list[tuple[int, int]]:
+    """(N, K) of one layer's projections, in the order a forward runs them."""
+    H, KV, F_ = c.hidden, c.kv, c.ffn
+    return [(H, H), (KV, H), (KV, H), (H, H), (F_, H), (F_, H), (H, F_)]
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm: pages touched, extension loaded
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def main(argv: list[str]) -> int:
+    c = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    if c.threads:
+        torch.set_num_threads(int(c.threads))
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * k ** -0.5 for _ in range(c.layers) for n, k in shapes(c)]
+    bw = read_bandwidth("cpu") / 1e9  # GB/s
+    print(f"CPU class {hardware.cpu_class()}, {torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s, "
+          f"{len(weights)} projections, {sum(w.numel() for w in weights) / 1e6:.1f}M weights")
+    methods: dict[str, tuple[list, int]] = {}  # name -> (per-projection callables by rows, bytes per pass)
+    if cpu_linear.available("fp32"):
+        for storage in ("fp32", "bf16", "int8"):
+            packed = []
+            for w in weights:
+                stored, scale, _ = cpu_linear.compress(w, storage)
+                packed.append((cpu_linear.pack_fp32(stored), scale, w.shape[0]))
+            nbytes = sum(p.numel() * p.element_size() + (0 if s is None else s.numel() * 4) for p, s, _ in packed)
+            methods[f"fp32 kernel, {storage} weights"] = (
+                lambda x, packed=packed: [cpu_linear.linear_fp32(xk(x, w), p, n, s)
+                                          for (p, s, n), w in zip(packed, weights)], nbytes)
+    else:
+        print(f"fp32 kernel skipped: {cpu_linear.unavailable_reason('fp32')}")
+    if cpu_linear.available("bf16"):  # bf16 activations too: what the runtime runs for a bf16 target
+        packed16 = [(cpu_linear.pack(w.bfloat16()), w.shape[0]) for w in weights]
+        methods["AVX512-BF16 kernel, bf16"] = (
+            lambda x: [cpu_linear.linear(xk(x, w).bfloat16(), p, n) for (p, n), w in zip(packed16, weights)],
+            sum(w.numel() * 2 for w in weights))
+    else:
+        print(f"AVX512-BF16 kernel skipped: {cpu_linear.unavailable_reason('bf16')}")
+    methods["oneDNN F.linear, fp32"] = (lambda x: [F.linear(xk(x, w), w) for w in weights],
+                                        sum(w.numel() * 4 for w in weights))
+    print("\n| method | rows | ms | GB/s | vs 1 row | vs bound |\n|---|---|---|---|---|---|")
+    for name, (run, nbytes) in methods.items():
+        bound = nbytes / bw / 1e6
+        base = None
+        for m in c.rows:
+            x = torch.randn(m, c.hidden, generator=g)
+            ms = timed(lambda: run(x), c.repeats)
+            base = base or ms
+            print(f"| {name} | {m} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {ms / base:.2f}x | {ms / bound:.2f}x |",
+                  flush=True)
+    return 0
+
+
+_inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def xk(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x, or (for the down projection, which reads the FFN width) an input of w's K, made once per row count."""
+    key = (x.shape[0], w.shape[1])
+    if w.shape[1] == x.shape[1]:
+        return x
+    if key not in _inputs:
+        _inputs[key] = torch.randn(key)
+    return _inputs[key]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
