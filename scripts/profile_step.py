@@ -32,7 +32,8 @@ DEFAULTS = dict(target="smollm2-135m-instruct", dtype="auto", weights=None, rows
 PHASES = [
     ("drafthead_cpu_linear", "projections"), ("aten::linear", "projections"), ("aten::addmm", "projections"),
     ("aten::mm", "projections"), ("aten::matmul", "projections"),
-    ("scaled_dot_product", "attention"), ("drafthead_attention", "attention"), ("_flash_attention", "attention"), ("aten::bmm", "attention"),
+    ("scaled_dot_product", "attention"), ("drafthead_attention", "attention"), ("_flash_attention", "attention"),
+    ("aten::bmm", "attention"),
     ("rms_norm", "norms"), ("aten::pow", "norms"), ("aten::rsqrt", "norms"),
     ("aten::index_put", "kv writes, masks"), ("aten::copy_", "kv writes, masks"), ("aten::slice", "kv writes, masks"),
     ("aten::lt", "kv writes, masks"), ("aten::le", "kv writes, masks"), ("aten::ge", "kv writes, masks"),

@@ -188,6 +188,7 @@ def test_multi_step_depths_are_the_chain_the_runtime_drafts(arch):
     lm[:, 8:] = 1
     probs = torch.softmax(torch.randn(2, 24, V), -1)
     out = drafter(ids, aux, probs, probs.argmax(-1), lm)
+    assert torch.isfinite(out["loss"]) and out["step_loss"].shape == (3,)
     assert out["count"].tolist() == [32.0, 32.0, 32.0]  # x_{t+1+i} in 8..23: 16 rows each depth
     out["loss"].backward()
     grads = {n for n, p in drafter.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
@@ -234,6 +235,10 @@ def test_sampled_chain_keeps_the_target_distribution():
 def test_bad_options_are_clear_errors(tiny_llama_dir):
     with pytest.raises(ConfigError, match=r"'drafter.lora.rank': 0 \(must be >= 1\)"):
         load_config(["drafter.family=lora", "drafter.lora.rank=0"])
+    with pytest.raises(ConfigError, match=r"'drafter.lora.num_draft_tokens': 0 \(must be >= 1\)"):
+        load_config(["drafter.family=lora", "drafter.lora.num_draft_tokens=0"])
+    with pytest.raises(ConfigError, match=r"'drafter.lora.step_decay': 1.5 \(must be in \(0, 1\]\)"):
+        load_config(["drafter.family=lora", "drafter.lora.step_decay=1.5"])
     with pytest.raises(ConfigError, match=r"'drafter.lora.target_modules'"):
         load_config(["drafter.family=lora", "drafter.lora.target_modules=[qkv]"])
     target = load_target(str(tiny_llama_dir), dtype="float32")
@@ -242,3 +247,9 @@ def test_bad_options_are_clear_errors(tiny_llama_dir):
         cfg = load_config(["drafter.family=lora", f"target.name_or_path={tiny_llama_dir}", *over])
         with pytest.raises(ValueError, match=msg):
             build_draft(cfg, target, samples(target.config.vocab_size), torch.device("cpu"), log=lambda *a: None)
+    from drafthead.lora import LoraDrafter, LoraOptions, build  # a multi-step draft without the target's layers
+    d = LoraDrafter(build(target.config, LoraOptions(exit_layer=1, rank=4, num_draft_tokens=2), None, None))
+    ids = torch.zeros(1, 6, dtype=torch.long)
+    V = target.config.vocab_size
+    with pytest.raises(ValueError, match=r"num_draft_tokens > 1 needs the target's layers < exit_layer"):
+        d(ids, torch.zeros(1, 6, target.config.hidden_size), torch.full((1, 6, V), 1 / V), ids, ids)
