@@ -26,7 +26,7 @@ from drafthead.target import load_target
 from eval.bench import bandwidth_bound
 
 DEFAULTS = dict(target="smollm2-135m-instruct", dtype="auto", weights=None, rows=[1, 8], prefix=256, repeats=20,
-                threads=None)
+                threads=None, top=0)  # top=N: also list the N operators with the most self time
 
 # operator name (substring) -> phase; the first match wins
 PHASES = [
@@ -101,6 +101,9 @@ def main(argv: list[str]) -> int:
             print(f"  {name:<22} {ms:8.2f} ms  {100 * ms / wall:5.1f} %")
         print(f"  {'python, dispatch':<22} {max(0.0, wall - ops):8.2f} ms  {100 * max(0.0, wall - ops) / wall:5.1f} %"
               f"  (wall minus operator self time; profiler overhead included)")
+        for ev in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:int(cfg.top)]:
+            print(f"    {ev.key:<34} {ev.self_cpu_time_total / 1000 / int(cfg.repeats):7.2f} ms  "
+                  f"{ev.count // int(cfg.repeats):5d} calls  ({phase_of(ev.key)})")
     return 0
 
 

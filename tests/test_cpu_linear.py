@@ -38,18 +38,19 @@ def test_matches_reference_within_one_rounding(N: int, K: int) -> None:
 
 
 @needs_kernel
-def test_rows_have_the_same_bits_at_any_row_count_and_position() -> None:
+@pytest.mark.parametrize("N", [100, 300])  # 7 blocks of 16 (a partial work item, partial last block); 19 (2 + 3)
+def test_rows_have_the_same_bits_at_any_row_count_and_position(N: int) -> None:
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(100, 576, generator=g).to(torch.bfloat16)  # 100 outputs: 6 full blocks of 16 + a tail
-    b = torch.randn(100, generator=g).to(torch.bfloat16)
+    w = torch.randn(N, 576, generator=g).to(torch.bfloat16)
+    b = torch.randn(N, generator=g).to(torch.bfloat16)
     x = torch.randn(70, 576, generator=g).to(torch.bfloat16)
     packed = cpu_linear.pack(w)
-    alone = torch.cat([cpu_linear.linear(x[i: i + 1], packed, 100, b) for i in range(70)])
-    for M in (2, 3, 4, 5, 7, 8, 33, 70):
+    alone = torch.cat([cpu_linear.linear(x[i: i + 1], packed, N, b) for i in range(70)])
+    for M in (2, 3, 4, 5, 6, 7, 8, 13, 33, 70):
         for start in (0, 70 - M):
-            assert torch.equal(cpu_linear.linear(x[start: start + M], packed, 100, b), alone[start: start + M]), M
-    three_d = cpu_linear.linear(x[:12].view(3, 4, 576), packed, 100, b)  # [B, T, K] in, [B, T, N] out
-    assert torch.equal(three_d.view(12, 100), alone[:12])
+            assert torch.equal(cpu_linear.linear(x[start: start + M], packed, N, b), alone[start: start + M]), M
+    three_d = cpu_linear.linear(x[:12].view(3, 4, 576), packed, N, b)  # [B, T, K] in, [B, T, N] out
+    assert torch.equal(three_d.view(12, N), alone[:12])
 
 
 @needs_kernel
@@ -217,11 +218,13 @@ def attention_reference(q, k, v, mask, scale):
 
 
 @needs_fp32_kernel
-@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 2, 8)])
-def test_fp32_attention_matches_fp64_and_ignores_row_count_and_capacity(H: int, KVH: int, D: int) -> None:
-    """Causal and tree masks, requests at different lengths, k/v as views of a runtime-style cache: within fp32
-    rounding of fp64 SDPA; a query alone, inside a block and against a larger cache (more masked keys) gives
-    the same bits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 2, 8), (2, 1, 24)])
+def test_fp32_attention_matches_fp64_and_ignores_row_count_and_capacity(H: int, KVH: int, D: int,
+                                                                         dtype: torch.dtype) -> None:
+    """Causal and tree masks, requests at different lengths, k/v as views of a runtime-style cache, fp32 or bf16
+    inputs: within fp32 rounding of fp64 SDPA of the same values; a query alone, inside a block and against a
+    larger cache (more masked keys) gives the same bits."""
     from drafthead.runtime.model import attention_mask
 
     g = torch.Generator().manual_seed(H + D)
@@ -229,14 +232,14 @@ def test_fp32_attention_matches_fp64_and_ignores_row_count_and_capacity(H: int, 
     lens = torch.tensor([11, 30])
     tree = torch.eye(T, dtype=torch.bool)[None].repeat(B, 1, 1)
     tree[:, 1:, 0] = True  # a two-level tree: every node's parent is node 0
-    cache = torch.randn(B, 3 * 2 * KVH, S + 16, D, generator=g)  # three layers' k/v, 16 slots of spare capacity
+    cache = torch.randn(B, 3 * 2 * KVH, S + 16, D, generator=g).to(dtype)  # three layers' k/v, 16 spare slots
     k, v = cache[:, 2 * KVH: 3 * KVH], cache[:, 3 * KVH: 4 * KVH]  # layer 1's views, [B, kvh, S+16, D]
-    q = torch.randn(B, H, T, D, generator=g)
+    q = torch.randn(B, H, T, D, generator=g).to(dtype)
     for tree_mask in (None, tree):
         mask = attention_mask(lens, T, S, tree_mask)  # [B, 1, T, S]
         o = cpu_linear.attention_fp32(q, k[:, :, :S], v[:, :, :S], mask, D ** -0.5)
         ref = attention_reference(q, k[:, :, :S], v[:, :, :S], mask, D ** -0.5)
-        assert (o.double() - ref).abs().max() < 1e-5
+        assert o.dtype == torch.float32 and (o.double() - ref).abs().max() < 1e-5
         wide = attention_mask(lens, T, S + 16, tree_mask)
         assert torch.equal(cpu_linear.attention_fp32(q, k, v, wide, D ** -0.5), o)  # capacity does not matter
         for t in range(T):
@@ -251,7 +254,40 @@ def test_fp32_attention_bad_inputs_are_named_errors() -> None:
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 8"):
         cpu_linear.attention_fp32(q, k, k, m, 1.0)
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="all be float32 or all bfloat16"):
         cpu_linear.attention_fp32(q.double(), k, k, m, 1.0)
+    with pytest.raises(RuntimeError, match="all be float32 or all bfloat16"):
+        cpu_linear.attention_fp32(q.bfloat16(), k, k, m, 1.0)
     with pytest.raises(RuntimeError, match="bool"):
         cpu_linear.attention_fp32(q, k, k, m.float(), 1.0)
+
+
+@pytest.mark.parametrize("kind,weights", [("bf16", "fp32"), ("fp32", "fp32"), ("fp32", "bf16"), ("fp32", "int8")])
+def test_concat_gives_each_part_its_own_bits(kind: str, weights: str) -> None:
+    """q/k/v (and gate/up) run as one joined weight in the runtime: every output must keep the bits its own
+    projection gives, at 1 and at 11 rows, with and without biases."""
+    if not cpu_linear.available(kind):
+        pytest.skip(f"{kind} CPU kernel unavailable: {cpu_linear.unavailable_reason(kind)}")
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    torch.manual_seed(0)
+    for bias in (False, True):
+        lins = [nn.Linear(576, n, bias=bias).to(dtype) for n in (576, 192, 192)]
+        parts = [cpu_linear.PackedLinear(lin, weights) for lin in lins]
+        joined = cpu_linear.concat(parts)
+        assert joined.out_features == 960
+        assert cpu_linear.packed_bytes(joined) == sum(map(cpu_linear.packed_bytes, parts))
+        for rows in (1, 11):
+            x = torch.randn(rows, 576).to(dtype)
+            want = torch.cat([p(x) for p in parts], dim=-1)  # [rows, 960]
+            assert torch.equal(joined(x), want), (bias, rows)
+
+
+@needs_fp32_kernel
+def test_concat_refuses_parts_it_cannot_join() -> None:
+    a = cpu_linear.PackedLinear(nn.Linear(64, 16, bias=False))
+    with pytest.raises(ValueError, match="whole packed blocks"):  # 20 outputs: a padded block in the middle
+        cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 20, bias=False)), a])
+    with pytest.raises(ValueError, match="bias presence"):
+        cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 16)), a])
+    with pytest.raises(ValueError, match="storage"):
+        cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 16, bias=False), "int8"), a])

@@ -357,6 +357,32 @@ def test_fp32_decode_kernel_is_lossless_bit_for_bit(arch: str, weights: str | No
         assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, spec
 
 
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen2", torch.float32), ("llama", torch.bfloat16)])
+def test_joined_decode_groups_give_the_bits_of_separate_projections(arch: str, dtype: torch.dtype,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generated tokens run q/k/v and gate/up as one packed weight each: the logits equal those of a runtime
+    that runs every projection on its own, bit for bit (Qwen2: with the q/k/v biases)."""
+    kind = cpu_linear.kind_for(dtype)
+    if not cpu_linear.available(kind):
+        pytest.skip(f"{kind} CPU kernel unavailable: {cpu_linear.unavailable_reason(kind)}")
+    target = tiny_target(arch, dtype=dtype, seed=3)
+    seq = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+
+    def decode(tm: TargetModel) -> torch.Tensor:
+        cache, lens = tm.new_cache(1, 16), torch.zeros(1, dtype=torch.long)
+        tm.forward(cache, seq[:, :8], lens, prefill=True)
+        return tm.forward(cache, seq[:, 8:], lens + 8)[0]  # [1, 4, V]
+
+    joined = TargetModel(target.model)
+    got = decode(joined)
+    a, m = joined.layers[0].self_attn, joined.layers[0].mlp
+    assert joined.packed(a.q_proj, a.k_proj, a.v_proj) is not None and joined.packed(m.gate_proj, m.up_proj) is not None
+    monkeypatch.setattr(cpu_linear, "can_concat", lambda parts: False)
+    apart = TargetModel(target.model)
+    assert torch.equal(decode(apart), got)
+    assert apart.packed(a.q_proj, a.k_proj, a.v_proj) is None and apart.streamed_bytes() == joined.streamed_bytes()
+
+
 def test_compressed_weights_need_the_fp32_kernel() -> None:
     with pytest.raises(ValueError, match="weights=int8 needs an fp32 target .*bfloat16"):
         TargetModel(tiny_target("llama", dtype=torch.bfloat16).model, weights="int8")

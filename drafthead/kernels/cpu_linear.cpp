@@ -16,8 +16,8 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // outputs per packed block
-constexpr int kBlocks = 4;      // packed blocks per tile (64 outputs)
-constexpr int64_t kPrefetch = 8;  // k-pairs ahead
+constexpr int kBlocks = 8;      // packed blocks per work item (128 outputs): a lone row takes all 8 at once
+constexpr int64_t kPrefetch = 16;  // k-pairs ahead (8 was slower at 2-8 rows)
 constexpr int kRows = 6;        // rows of x per tile (6 x 4 accumulators + 4 weights + 1 broadcast = 29 zmm)
 
 torch::Tensor pack(torch::Tensor w) {
@@ -35,45 +35,65 @@ inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, const 
                  at::BFloat16* y, int64_t N, int64_t m0) {
   const int64_t KP = K / 2, block = KP * 2 * kLanes;
   __m512 acc[R][B];
+#pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
     for (int j = 0; j < B; ++j) acc[i][j] = _mm512_setzero_ps();
   const int32_t* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const int32_t*>(x + (m0 + i) * K);
   const at::BFloat16* pb = p + b0 * block;
   for (int64_t kp = 0; kp < KP; ++kp) {
+#pragma GCC unroll 8
     for (int j = 0; j < B; ++j)  // one 64-byte line per block and k-pair: fetch a few pairs ahead
       _mm_prefetch(reinterpret_cast<const char*>(pb + j * block + (kp + kPrefetch) * 2 * kLanes), _MM_HINT_T0);
     __m512i w[B];
+#pragma GCC unroll 8
     for (int j = 0; j < B; ++j) w[j] = _mm512_loadu_si512(static_cast<const void*>(pb + j * block + kp * 2 * kLanes));
+#pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m512i xb = _mm512_set1_epi32(xr[i][kp]);  // the pair x[2kp], x[2kp+1] in every lane
+#pragma GCC unroll 8
       for (int j = 0; j < B; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)w[j]);
     }
   }
+  // The accumulators leave their registers once, at constant indices: read in the loop below (run-time j), they
+  // may make GCC keep acc in memory and store it on every k, as it did in the fp32 kernel.
+  alignas(64) float out[R][B][kLanes];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < B; ++j) _mm512_store_ps(out[i][j], acc[i][j]);
   for (int j = 0; j < B; ++j) {
     const int64_t n = (b0 + j) * kLanes;
     const int64_t valid = std::min<int64_t>(kLanes, N - n);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bj = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     for (int i = 0; i < R; ++i) {
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bj));
-      _mm256_mask_storeu_epi16(static_cast<void*>(y + (m0 + i) * N + n), mask, out);
+      const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(out[i][j]), bj));
+      _mm256_mask_storeu_epi16(static_cast<void*>(y + (m0 + i) * N + n), mask, o);
     }
   }
 }
 
+// Blocks b0..b0+B-1 for every row. A lone row (a decode step) takes all B blocks in one tile: 8 independent
+// dot-product chains, each weight line read once. More rows go in tiles of up to kRows rows x 4 blocks, all row
+// tiles over the same 4 blocks in turn, so the blocks come from memory once and from L1/L2 after.
 template <int B>
 inline void rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* p, const float* bias, int64_t b0,
                  at::BFloat16* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) tile<kRows, B>(x, K, p, bias, b0, y, N, m);
-  switch (M - m) {
-    case 5: tile<5, B>(x, K, p, bias, b0, y, N, m); break;
-    case 4: tile<4, B>(x, K, p, bias, b0, y, N, m); break;
-    case 3: tile<3, B>(x, K, p, bias, b0, y, N, m); break;
-    case 2: tile<2, B>(x, K, p, bias, b0, y, N, m); break;
-    case 1: tile<1, B>(x, K, p, bias, b0, y, N, m); break;
-    default: break;
+  constexpr int S = B >= 4 ? 4 : 1;
+  if (M == 1) { tile<1, B>(x, K, p, bias, b0, y, N, 0); return; }
+  for (int j = 0; j < B; j += S) {
+    int64_t m = 0;
+    for (; m + kRows <= M; m += kRows) tile<kRows, S>(x, K, p, bias, b0 + j, y, N, m);
+    switch (M - m) {
+      case 5: tile<5, S>(x, K, p, bias, b0 + j, y, N, m); break;
+      case 4: tile<4, S>(x, K, p, bias, b0 + j, y, N, m); break;
+      case 3: tile<3, S>(x, K, p, bias, b0 + j, y, N, m); break;
+      case 2: tile<2, S>(x, K, p, bias, b0 + j, y, N, m); break;
+      case 1: tile<1, S>(x, K, p, bias, b0 + j, y, N, m); break;
+      default: break;
+    }
   }
 }
 
@@ -102,8 +122,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
       const int64_t b0 = g * kBlocks;
       if (b0 + kBlocks <= NB) {
         rows<kBlocks>(X, M, K, P, Bp, b0, Y, N);
-      } else {
-        for (int64_t b = b0; b < NB; ++b) rows<1>(X, M, K, P, Bp, b, Y, N);
+      } else {  // the weight's last blocks: 4 at a time while they last (a lone block is one latency-bound chain)
+        int64_t b = b0;
+        for (; b + 4 <= NB; b += 4) rows<4>(X, M, K, P, Bp, b, Y, N);
+        for (; b < NB; ++b) rows<1>(X, M, K, P, Bp, b, Y, N);
       }
     }
   });

@@ -205,9 +205,10 @@ def linear_fp32(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale:
 
 def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
                    ) -> torch.Tensor:
-    """Attention of generated fp32 tokens, each query on its own over the keys its mask allows (row-invariant:
-    a token's output does not depend on how many queries share the call or on the cache capacity).
-    q [B, h, T, D] (D a multiple of 8); k, v [B, kvh, S, D] (views of the cache); mask [B, 1, T, S] bool."""
+    """Attention of generated tokens, each query on its own over the keys its mask allows (row-invariant: a
+    token's output does not depend on how many queries share the call or on the cache capacity), in fp32.
+    q [B, h, T, D] (D a multiple of 8); k, v [B, kvh, S, D] (views of the cache), all fp32 or all bf16 (read
+    exactly as fp32); mask [B, 1, T, S] bool. Returns fp32 [B, h, T, D]; bf16 callers round it once."""
     return _ext("fp32").attention(q, k, v, mask, scale)
 
 
@@ -235,7 +236,7 @@ class PackedLinear(nn.Module):
             if weights != "fp32":
                 raise ValueError(f"weights={weights!r} needs fp32 layers (this one is bf16)")
             self.register_buffer("packed", pack(lin.weight), persistent=False)
-            self.scale = None
+            self.register_buffer("scale", None, persistent=False)
         elif self.kind == "fp32":
             stored, scale = compressed if compressed is not None else compress(lin.weight, weights)[:2]
             self.register_buffer("packed", pack_fp32(stored), persistent=False)
@@ -247,6 +248,38 @@ class PackedLinear(nn.Module):
         if self.kind == "bf16":
             return linear(x, self.packed, self.out_features, self.bias)
         return linear_fp32(x, self.packed, self.out_features, self.scale, self.bias)
+
+
+LANES = {"bf16": 16, "fp32": 8}  # outputs per packed block of each kernel
+
+
+def can_concat(parts: list[PackedLinear]) -> bool:
+    """Whether `concat` can join these: one kind, input width and storage; every output count a whole number of
+    packed blocks (so the packed tensors join with no padding between them); biases on all or none."""
+    p0 = parts[0]
+    return all(p.kind == p0.kind and p.in_features == p0.in_features and p.packed.dtype == p0.packed.dtype
+               and p.out_features % LANES[p.kind] == 0 and (p.scale is None) == (p0.scale is None)
+               and (p.bias is None) == (p0.bias is None) for p in parts)
+
+
+def concat(parts: list[PackedLinear]) -> PackedLinear:
+    """One PackedLinear computing the parts' outputs side by side (q/k/v, gate/up: one call instead of three or
+    two, so a decode step makes fewer calls into the kernel). Each output is computed as in its part, bit for
+    bit: the kernels compute every output on its own, whatever the tile it falls in."""
+    if not can_concat(parts):
+        raise ValueError("concat needs parts of one kernel kind, input width, storage and bias presence, with "
+                     "output counts that are whole packed blocks: "
+                     + ", ".join(f"{p.kind} {p.in_features}->{p.out_features}" for p in parts))
+    out = PackedLinear.__new__(PackedLinear)
+    nn.Module.__init__(out)
+    out.kind, out.in_features = parts[0].kind, parts[0].in_features
+    out.out_features = sum(p.out_features for p in parts)
+    out.weight = None  # the parts' weights stay with their own modules
+    out.bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
+    out.register_buffer("packed", torch.cat([p.packed for p in parts]), persistent=False)
+    out.register_buffer("scale", torch.cat([p.scale for p in parts]) if parts[0].scale is not None else None,
+                        persistent=False)
+    return out
 
 
 def with_packed_linears(module: nn.Module) -> nn.Module:

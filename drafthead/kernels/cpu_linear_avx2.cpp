@@ -12,7 +12,8 @@
 //   bf16 - the upper 16 bits of each fp32 weight (round-to-nearest-even done in Python), half the bytes;
 //   int8 - symmetric per-output-row quantization, a quarter of the bytes; y = scale[n] * sum_k x[k] q[n, k].
 //
-// Also the attention of generated fp32 tokens (`attention`, at the end), row-invariant the same way.
+// Also the attention of generated tokens (`attention`, at the end; fp32 or bf16 inputs, fp32 math), row-invariant
+// the same way.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,7 +47,7 @@ inline __m256i tail_mask(int64_t valid) {
 // Rows m0..m0+R-1 of x against packed blocks b0..b0+B-1.
 template <typename W, int R, int B>
 inline void tile(const float* x, int64_t K, const W* p, const float* scale, const float* bias, int64_t b0,
-                 float* y, int64_t N, int64_t m0) {
+                 float* y, int64_t N, int64_t m0, const W* pf = nullptr) {
   const int64_t block = K * kLanes;
   __m256 acc[R][B];
 #pragma GCC unroll 8
@@ -60,6 +61,9 @@ inline void tile(const float* x, int64_t K, const W* p, const float* scale, cons
     __m256 w[B];
 #pragma GCC unroll 8
     for (int j = 0; j < B; ++j) w[j] = load8(pb + j * block + k * kLanes);
+    if (pf && (k & 1) == 0)  // a 64-byte line of each next block per two k (fp32; compressed lines are asked twice+)
+#pragma GCC unroll 8
+      for (int j = 0; j < B; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf + j * block + k * kLanes), _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       const __m256 xb = _mm256_broadcast_ss(xr[i] + k);
@@ -91,17 +95,22 @@ inline void tile(const float* x, int64_t K, const W* p, const float* scale, cons
 
 // Blocks b0..b0+B-1 for every row: 4-row tiles of 3 blocks; a lone row (a decode step) takes all B blocks
 // at once, so B independent FMA chains hide the FMA latency (3 chains left a 1-row call latency-bound).
+// With more than one row, every tile also prefetches the same blocks of the next work item (`next`) into L2:
+// the row tiles after the first read their blocks from cache and only compute, and without the prefetch the
+// memory sat idle while they did (8 rows cost 2.1x one row; with it 1.5x, near the FMA limit).
 template <typename W, int B>
 inline void rows(const float* x, int64_t M, int64_t K, const W* p, const float* scale, const float* bias,
-                 int64_t b0, float* y, int64_t N) {
+                 int64_t b0, float* y, int64_t N, const W* next) {
   static_assert(B == 1 || B % 3 == 0, "B is 1 or a multiple of 3");
   constexpr int S = B == 1 ? 1 : 3;  // blocks per multi-row tile
+  const int64_t block = K * kLanes;
+  auto pf = [&](int j) -> const W* { return next ? next + j * block : nullptr; };
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows)
-    for (int j = 0; j < B; j += S) tile<W, kRows, S>(x, K, p, scale, bias, b0 + j, y, N, m);
+    for (int j = 0; j < B; j += S) tile<W, kRows, S>(x, K, p, scale, bias, b0 + j, y, N, m, pf(j));
   switch (M - m) {
-    case 3: for (int j = 0; j < B; j += S) tile<W, 3, S>(x, K, p, scale, bias, b0 + j, y, N, m); break;
-    case 2: for (int j = 0; j < B; j += S) tile<W, 2, S>(x, K, p, scale, bias, b0 + j, y, N, m); break;
+    case 3: for (int j = 0; j < B; j += S) tile<W, 3, S>(x, K, p, scale, bias, b0 + j, y, N, m, pf(j)); break;
+    case 2: for (int j = 0; j < B; j += S) tile<W, 2, S>(x, K, p, scale, bias, b0 + j, y, N, m, pf(j)); break;
     case 1: tile<W, 1, B>(x, K, p, scale, bias, b0, y, N, m); break;
     default: break;
   }
@@ -115,9 +124,10 @@ void run(const float* X, int64_t M, int64_t K, const W* P, int64_t NB, const flo
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b0 = g * kBlocks;
       if (b0 + kBlocks <= NB) {
-        rows<W, kBlocks>(X, M, K, P, S, Bp, b0, Y, N);
+        const W* next = M > 1 && g + 1 < g1 && b0 + 2 * kBlocks <= NB ? P + (b0 + kBlocks) * K * kLanes : nullptr;
+        rows<W, kBlocks>(X, M, K, P, S, Bp, b0, Y, N, next);
       } else {
-        for (int64_t b = b0; b < NB; ++b) rows<W, 1>(X, M, K, P, S, Bp, b, Y, N);
+        for (int64_t b = b0; b < NB; ++b) rows<W, 1>(X, M, K, P, S, Bp, b, Y, N, nullptr);
       }
     }
   });
@@ -197,10 +207,46 @@ inline float hsum8(__m256 v) {  // fixed order
   return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 
-// q [B, H, T, D]; k, v [B, KVH, S, D] (any strides but the last); mask [B, 1, T, S] bool -> [B, H, T, D].
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "attention: q, k, v must be float32");
+// The dot products of q with keys key[0..7]: each over d in order (one FMA per 8 lanes), its 8 lanes summed in
+// hsum8's order ((0+1)+(2+3))+((4+5)+(6+7)) by the hadd tree below, so a key gets the bits it gets alone.
+template <typename E>
+inline __m256 dot8(const E* q, const E* kb, const int64_t* key, int64_t ks, int64_t D) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qd = load8(q + d);
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qd, load8(kb + key[u] * ks + d), acc[u]);
+  }
+  // hadd(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7]
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  // t0 = [(a0+a1)+(a2+a3), b.., c.., d.. | (a4+a5)+(a6+a7), ...]: add the halves
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// o[0 .. 8C) = inv * sum_j p[j] v[key[j], 0 .. 8C), over j in order, one FMA per j and element. The C chunks of 8
+// are independent chains side by side (one chain per chunk in turn waited on the FMA latency at every key).
+template <int C, typename E>
+inline void weighted_sum(const float* p, const int64_t* key, int64_t n, const E* v, int64_t vs, float inv, float* o) {
+  __m256 acc[C];
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const E* vj = v + key[j] * vs;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(pj, load8(vj + 8 * c), acc[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+}
+
+// q [B, H, T, D]; k, v [B, KVH, S, D] (any strides but the last); mask [B, 1, T, S] bool -> fp32 [B, H, T, D].
+// E: float (fp32 tokens) or uint16_t (bf16 bits: bf16 tokens, widened exactly; the math is fp32 either way).
+template <typename E>
+torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attention: 4-d q, k, v, mask");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t KVH = k.size(1), S = k.size(2);
@@ -212,10 +258,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
               "attention: mask must be a bool [B, 1, T, S]");
   q = q.contiguous();
   mask = mask.contiguous();
-  auto o = torch::empty_like(q);
-  const float* Q = q.data_ptr<float>();
-  const float* Kp = k.data_ptr<float>();
-  const float* Vp = v.data_ptr<float>();
+  auto o = torch::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const E* Q = static_cast<const E*>(q.data_ptr());
+  const E* Kp = static_cast<const E*>(k.data_ptr());
+  const E* Vp = static_cast<const E*>(v.data_ptr());
   const bool* Mp = mask.data_ptr<bool>();
   float* O = o.data_ptr<float>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
@@ -227,21 +273,28 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
     std::vector<int64_t> key(S);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (H * T), h = (i / T) % H, t = i % T, kh = h / group;
-      const float* qi = Q + i * D;
+      const E* qi = Q + i * D;
       const bool* mi = Mp + (b * T + t) * S;
-      const float* kb = Kp + b * ks0 + kh * ks1;
-      const float* vb = Vp + b * vs0 + kh * vs1;
+      const E* kb = Kp + b * ks0 + kh * ks1;
+      const E* vb = Vp + b * vs0 + kh * vs1;
       int64_t n = 0;
+      for (int64_t j = 0; j < S; ++j)
+        if (mi[j]) key[n++] = j;
       float top = -INFINITY;
-      for (int64_t j = 0; j < S; ++j) {
-        if (!mi[j]) continue;
-        const float* kj = kb + j * ks2;
+      int64_t j = 0;
+      for (; j + 8 <= n; j += 8) {  // 8 keys side by side: 8 independent chains, one reduction for all 8
+        const __m256 s = _mm256_mul_ps(dot8(qi, kb, key.data() + j, ks2, D), _mm256_set1_ps(sc));
+        _mm256_storeu_ps(score.data() + j, s);
+        alignas(32) float t[8];
+        _mm256_store_ps(t, s);
+        for (float v : t) top = std::max(top, v);
+      }
+      for (; j < n; ++j) {
+        const E* kj = kb + key[j] * ks2;
         __m256 acc = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(load8(qi + d), load8(kj + d), acc);
-        const float sj = hsum8(acc) * sc;
-        score[n] = sj;
-        key[n++] = j;
-        top = std::max(top, sj);
+        score[j] = hsum8(acc) * sc;
+        top = std::max(top, score[j]);
       }
       float* oi = O + i * D;
       if (n == 0) {  // a query that sees no key (never in the runtime): zeros, as masked-out rows
@@ -259,15 +312,28 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
         tot = _mm256_add_ps(tot, e);
       }
       const float inv = 1.0f / hsum8(tot);
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; ++j)
-          acc = _mm256_fmadd_ps(_mm256_set1_ps(score[j]), load8(vb + key[j] * vs2 + d), acc);
-        _mm256_storeu_ps(oi + d, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        switch (std::min<int64_t>(64, D - d0) / 8) {
+          case 8: weighted_sum<8>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+          case 7: weighted_sum<7>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+          case 6: weighted_sum<6>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+          case 5: weighted_sum<5>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+          case 4: weighted_sum<4>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+          case 3: weighted_sum<3>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+          case 2: weighted_sum<2>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+          default: weighted_sum<1>(score.data(), key.data(), n, vb + d0, vs2, inv, oi + d0); break;
+        }
       }
     }
   });
   return o;
+}
+
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+  const auto t = q.scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kBFloat16) && k.scalar_type() == t && v.scalar_type() == t,
+              "attention: q, k, v must all be float32 or all bfloat16");
+  return t == at::kFloat ? attention_impl<float>(q, k, v, mask, scale) : attention_impl<uint16_t>(q, k, v, mask, scale);
 }
 
 }  // namespace
@@ -275,6 +341,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "weight [N, K] (float32, bf16 bits as int16, int8) -> packed [ceil(N/8), K, 8]");
   m.def("linear", &linear, "float32 x [M, K] @ packed weight (* scale) (+ bias) -> [M, N]");
-  m.def("attention", &attention, "float32 q [B, H, T, D], k, v [B, KVH, S, D], bool mask [B, 1, T, S], scale "
-        "-> [B, H, T, D], each query on its own over the keys its mask allows");
+  m.def("attention", &attention, "float32 or bf16 q [B, H, T, D], k, v [B, KVH, S, D], bool mask [B, 1, T, S], "
+        "scale -> float32 [B, H, T, D], each query on its own over the keys its mask allows");
 }

@@ -74,17 +74,27 @@ class TargetModel:
         self.decode_kernel = bool(kind and (kind == "fp32" or all(d % 2 == 0 for d in dims))
                                   and cpu_linear.available(kind))
         self.kernel = kind if self.decode_kernel else None  # for reports: which kernel runs generated tokens
-        self._packed: dict[nn.Module, cpu_linear.PackedLinear] = {}  # made on first decode use
+        # generated tokens' attention: the fp32 extension's row-invariant kernel (fp32 math for fp32 and bf16
+        # tokens) where it runs; else SDPA calls of a fixed query count (`attend`)
+        self.decode_attention = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
+        # packed weights by decode group (`decode_groups`), or by one projection where a group does not join
+        self._packed: dict[tuple[nn.Module, ...], cpu_linear.PackedLinear] = {}  # made on first decode use
         self.weights = weights or "fp32"
         if weights is not None and weights != "fp32":
             self._compress(weights)
 
     def projections(self) -> list[nn.Linear]:
         """Every weight a generated token streams: the layers' projections and the head."""
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        out = [getattr(layer.self_attn, n) for layer in self.layers for n in names]
-        out += [getattr(layer.mlp, n) for layer in self.layers for n in ("gate_proj", "up_proj", "down_proj")]
-        return out + [self.model.lm_head]
+        return [p for group in self.decode_groups() for p in group]
+
+    def decode_groups(self) -> list[tuple[nn.Linear, ...]]:
+        """The projections in the groups the decode kernel runs as one call each: q/k/v and gate/up read the
+        same input, so each group is one packed weight (fewer kernel calls a step); o, down and the head alone."""
+        out = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            out += [(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)]
+        return out + [(self.model.lm_head,)]
 
     def _compress(self, weights: str) -> None:
         if weights not in cpu_linear.WEIGHTS:
@@ -94,29 +104,43 @@ class TargetModel:
                    if cpu_linear.kind_for(self.dtype) != "fp32" or self.device.type != "cpu"
                    else f"the fp32 CPU kernel is unavailable ({cpu_linear.unavailable_reason('fp32')})")
             raise ValueError(f"weights={weights} needs an fp32 target on a CPU with the fp32 decode kernel: {why}")
-        for proj in self.projections():
-            if proj in self._packed:  # tied weights (a shared module) are compressed once
-                continue
-            stored, scale, effective = cpu_linear.compress(proj.weight, weights)  # from the weight as loaded
-            self._packed[proj] = cpu_linear.PackedLinear(proj, weights, compressed=(stored, scale))
-            with torch.no_grad():
-                proj.weight.copy_(effective)
+        done: dict[nn.Module, cpu_linear.PackedLinear] = {}  # tied weights (a shared module) are compressed once
+        for group in self.decode_groups():
+            for proj in group:
+                if proj not in done:
+                    stored, scale, effective = cpu_linear.compress(proj.weight, weights)  # from the weight as loaded
+                    done[proj] = cpu_linear.PackedLinear(proj, weights, compressed=(stored, scale))
+                    with torch.no_grad():
+                        proj.weight.copy_(effective)
+            self._pack_group(group, [done[p] for p in group])
 
-    def packed(self, proj: nn.Module) -> cpu_linear.PackedLinear:
-        """The decode kernel's packed copy of `proj`, made on first use."""
-        fast = self._packed.get(proj)
-        if fast is None:
-            fast = self._packed[proj] = cpu_linear.PackedLinear(proj)
+    def _pack_group(self, group: tuple[nn.Module, ...], parts: list[cpu_linear.PackedLinear]) -> None:
+        """Store the group's packed weight: one joined weight where `cpu_linear.concat` can join the parts,
+        else each part under its own projection."""
+        if len(parts) > 1 and cpu_linear.can_concat(parts):
+            self._packed[group] = cpu_linear.concat(parts)
+        else:
+            for proj, part in zip(group, parts):
+                self._packed[(proj,)] = part
+
+    def packed(self, *group: nn.Module) -> cpu_linear.PackedLinear | None:
+        """The decode kernel's packed weight for `group` (one projection, or a group of `decode_groups`), made on
+        first use; None when the group's parts do not join (then each part has its own)."""
+        fast = self._packed.get(group)
+        if fast is None and not any((p,) in self._packed for p in group):
+            self._pack_group(group, [cpu_linear.PackedLinear(p) for p in group])
+            fast = self._packed.get(group)
         return fast
 
     def streamed_bytes(self) -> int:
         """Bytes of projection weights one generated token streams (what bounds a decode step)."""
+        if not self.decode_kernel:
+            return sum(p.weight.numel() * p.weight.element_size() for p in dict.fromkeys(self.projections()))
         total = 0
-        for proj in dict.fromkeys(self.projections()):
-            if self.decode_kernel:
-                total += cpu_linear.packed_bytes(self.packed(proj))
-            else:
-                total += proj.weight.numel() * proj.weight.element_size()
+        for group in dict.fromkeys(self.decode_groups()):
+            joined = self.packed(*group)
+            parts = [joined] if joined is not None else [self.packed(p) for p in group]
+            total += sum(cpu_linear.packed_bytes(p) for p in parts)
         return total
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
@@ -192,9 +216,10 @@ class TargetModel:
         B, T, _ = h.shape
         attn = layer.self_attn
         x = rms_norm(layer.input_layernorm, h)
-        q = self.linear(attn.q_proj, x, prefill).view(B, T, -1, self.head_dim)  # [B, T, h, D]
-        k = self.linear(attn.k_proj, x, prefill).view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
-        v = self.linear(attn.v_proj, x, prefill).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        q, k, v = self.project((attn.q_proj, attn.k_proj, attn.v_proj), x, prefill)
+        q = q.view(B, T, -1, self.head_dim)  # [B, T, h, D]
+        k = k.view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
         if self.qk_norm:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
@@ -202,15 +227,22 @@ class TargetModel:
         ck, cv = self.layer_kv(cache, i)
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
-        if self.kernel == "fp32" and not prefill and self.head_dim % 8 == 0:  # generated fp32 tokens on CPU
-            o = cpu_linear.attention_fp32(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling)  # [B, h, T, D]
-        else:  # generated bf16 tokens on CPU: SDPA calls of a fixed query count (a verify block rounds like steps)
+        if self.decode_attention and not prefill:  # generated tokens on CPU: fp32 math, one rounding to the dtype
+            o = cpu_linear.attention_fp32(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling).to(h.dtype)  # [B, h, T, D]
+        else:  # prompts; generated CPU tokens without the kernel: SDPA calls of a fixed query count (row-invariant)
             per_query = not prefill and x.device.type == "cpu" and (x.dtype == torch.bfloat16 or self.decode_kernel)
             o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
         h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
         mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h)
-        gate, up = self.linear(mlp.gate_proj, x, prefill), self.linear(mlp.up_proj, x, prefill)  # [B, T, I]
+        gate, up = self.project((mlp.gate_proj, mlp.up_proj), x, prefill)  # [B, T, I] each
         return h + self.linear(mlp.down_proj, mlp.act_fn(gate) * up, prefill)
+
+    def project(self, group: tuple[nn.Module, ...], x: torch.Tensor, prefill: bool = False) -> list[torch.Tensor]:
+        """[proj(x) for proj in group]; generated tokens take one call of the group's joined packed weight."""
+        joined = self.packed(*group) if self.decode_kernel and not prefill else None
+        if joined is None:
+            return [self.linear(p, x, prefill) for p in group]
+        return list(joined(x).split([p.out_features for p in group], dim=-1))
 
     def linear(self, proj: nn.Module, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         """proj(x) for x [B, T, in] whose rows have the same bits whatever B*T is (a verify block = the same
