@@ -34,7 +34,7 @@ PHASES = [
     ("aten::mm", "projections"), ("aten::matmul", "projections"),
     ("scaled_dot_product", "attention"), ("drafthead_attention", "attention"), ("_flash_attention", "attention"),
     ("aten::bmm", "attention"),
-    ("rms_norm", "norms"), ("aten::pow", "norms"), ("aten::rsqrt", "norms"),
+    ("drafthead_rope", "rope, elementwise"), ("drafthead_silu_mul", "rope, elementwise"), ("rms_norm", "norms"), ("aten::pow", "norms"), ("aten::rsqrt", "norms"),
     ("aten::index_put", "kv writes, masks"), ("aten::copy_", "kv writes, masks"), ("aten::slice", "kv writes, masks"),
     ("aten::lt", "kv writes, masks"), ("aten::le", "kv writes, masks"), ("aten::ge", "kv writes, masks"),
     ("aten::__or__", "kv writes, masks"), ("aten::__and__", "kv writes, masks"), ("aten::bitwise", "kv writes, masks"),
@@ -54,20 +54,16 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(int(cfg.threads))
     # the kernels are pybind calls, not torch operators, so the profiler would count them as Python time:
     # label each call (only here; the runtime pays nothing for it)
-    plain = cpu_linear.PackedLinear.forward
+    def labelled(fn, label: str):
+        def call(*args):
+            with torch.profiler.record_function(label):
+                return fn(*args)
+        return call
 
-    def labelled(self, x):
-        with torch.profiler.record_function("drafthead_cpu_linear"):
-            return plain(self, x)
-
-    cpu_linear.PackedLinear.forward = labelled
-    plain_attention = cpu_linear.attention_fp32
-
-    def labelled_attention(*args):
-        with torch.profiler.record_function("drafthead_attention"):
-            return plain_attention(*args)
-
-    cpu_linear.attention_fp32 = labelled_attention
+    cpu_linear.PackedLinear.forward = labelled(cpu_linear.PackedLinear.forward, "drafthead_cpu_linear")
+    for name, label in (("attention_fp32", "drafthead_attention"), ("rms_norm", "drafthead_rms_norm"),
+                        ("rope", "drafthead_rope"), ("silu_mul", "drafthead_silu_mul")):
+        setattr(cpu_linear, name, labelled(getattr(cpu_linear, name), label))
     target = load_target(cfg.target, dtype=cfg.dtype)
     tm = TargetModel(target.model, weights=cfg.weights)
     bound = bandwidth_bound(tm, "cpu")

@@ -291,3 +291,50 @@ def test_concat_refuses_parts_it_cannot_join() -> None:
         cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 16)), a])
     with pytest.raises(ValueError, match="storage"):
         cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 16, bias=False), "int8"), a])
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_ops_match_torch_and_ignore_row_count(dtype: torch.dtype) -> None:
+    """The one-call RMSNorm, RoPE and SiLU-and-multiply of generated tokens against the torch ops the runtime runs
+    for prompts: bf16 bit for bit (the roundings sit where torch's ops round), RoPE in fp32 too, the rest within
+    fp32 rounding (another summation order; a polynomial exp). A row's bits do not depend on the rows beside it.
+    Widths off the vector width (577, 24, 1541) take the scalar tails."""
+    from drafthead.layers import apply_rope
+    from drafthead.runtime.model import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    exact = dtype == torch.bfloat16
+    for H in (576, 577):
+        norm = nn.Module()
+        norm.weight, norm.variance_epsilon = nn.Parameter(torch.randn(H, generator=g).to(dtype)), 1e-5
+        x = (torch.randn(13, H, generator=g) * 3).to(dtype)
+        want, got = rms_norm(norm, x), cpu_linear.rms_norm(x, norm.weight, 1e-5)
+        assert torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-5, atol=1e-6), H
+        assert torch.equal(cpu_linear.rms_norm(x[4:5], norm.weight, 1e-5), got[4:5])
+    for D in (64, 24):
+        x = torch.randn(2, 5, 12 * D, generator=g).to(dtype).view(2, 5, 12, D)  # a view, as of the joined q/k/v
+        cos, sin = torch.randn(2, 5, D, generator=g).to(dtype), torch.randn(2, 5, D, generator=g).to(dtype)
+        got = cpu_linear.rope(x, cos, sin)  # [2, 5, 12, D]
+        assert torch.equal(got, apply_rope(x.transpose(1, 2), cos[:, None], sin[:, None]).transpose(1, 2)), D
+        assert torch.equal(cpu_linear.rope(x[1:, 2:3], cos[1:, 2:3], sin[1:, 2:3]), got[1:, 2:3])
+    for I in (1536, 1541):
+        gu = (torch.randn(3, 4, 2 * I, generator=g) * 4).to(dtype)
+        want = torch.nn.functional.silu(gu[..., :I]) * gu[..., I:]
+        got = cpu_linear.silu_mul(gu)  # [3, 4, I]
+        assert torch.equal(got, want) if exact else torch.allclose(got, want, rtol=1e-6, atol=1e-30), I
+        assert torch.equal(cpu_linear.silu_mul(gu[2, 1:2]), got[2, 1:2])
+
+
+@needs_fp32_kernel
+def test_small_ops_bad_inputs_are_named_errors() -> None:
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        cpu_linear.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        cpu_linear.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-5)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        cpu_linear.rope(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4), torch.randn(1, 2, 4))
+    with pytest.raises(RuntimeError, match="all be float32 or all bfloat16"):
+        cpu_linear.rope(torch.randn(1, 2, 3, 8).double(), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    with pytest.raises(RuntimeError, match=r"\[gate \| up\]"):
+        cpu_linear.silu_mul(torch.randn(2, 7))

@@ -212,6 +212,24 @@ def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return _ext("fp32").attention(q, k, v, mask, scale)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF RMSNorm of generated tokens in one call: x [..., H], weight [H] (both fp32 or both bf16) -> x's dtype.
+    fp32 statistics per row in a fixed order; bf16 rounds the normalized x, then its product with the weight."""
+    return _ext("fp32").rms_norm(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of generated tokens in one call: x [B, T, heads, D] (a view whose rows are contiguous),
+    cos, sin [B, T, D] -> contiguous [B, T, heads, D]; rounds where HF's `x * cos + rotate_half(x) * sin` does
+    (fp32: the same bits)."""
+    return _ext("fp32").rope(x, cos, sin)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of generated tokens in one call, from the joined gate/up output [..., 2I] -> [..., I]."""
+    return _ext("fp32").silu_mul(gate_up)
+
+
 def packed_bytes(module: nn.Module) -> int:
     """Bytes of packed weight (and scales) a forward through `module`'s PackedLinears streams."""
     return sum(m.packed.numel() * m.packed.element_size() + (m.scale.numel() * 4 if m.scale is not None else 0)

@@ -20,9 +20,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
+
+inline float as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+inline uint32_t as_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
 
 constexpr int64_t kLanes = 8;  // outputs per packed block
 constexpr int kBlocks = 6;     // packed blocks per work item (48 outputs)
@@ -336,11 +340,191 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   return t == at::kFloat ? attention_impl<float>(q, k, v, mask, scale) : attention_impl<uint16_t>(q, k, v, mask, scale);
 }
 
+// ---- the small ops of a generated token's decoder layer -------------------------------------------------
+// Why: RMSNorm, RoPE and SiLU-and-multiply are a few dozen elements per head or row at decode time, and as torch
+// ops they cost their dispatch: F.rms_norm alone ran as ~8 operators (~23 us a call under the profiler) and a
+// layer's small ops outnumbered its projections 5 to 1. Each is one call here, computed row by row in plain
+// loops with a fixed order (a row's bits do not depend on the number of rows), in fp32, rounded to the input
+// dtype where torch's decode path rounds (HF's bf16 rounding points: normalized x, then times the weight).
+
+// E = float or uint16_t (bf16 bits). Values move as fp32; round<E> gives the fp32 value of the rounding to E
+// (bf16: to nearest even, NaN kept a NaN, as c10::BFloat16), so results round exactly where torch's ops round.
+inline float to_f(float v) { return v; }
+inline float to_f(uint16_t v) { return as_float(static_cast<uint32_t>(v) << 16); }
+template <typename E> inline float round_s(float v);
+template <> inline float round_s<float>(float v) { return v; }
+template <> inline float round_s<uint16_t>(float v) {
+  if (std::isnan(v)) return as_float(0x7FC00000u);
+  const uint32_t b = as_bits(v);
+  return as_float((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
+}
+inline void put(float* p, float v) { *p = v; }
+inline void put(uint16_t* p, float v) { *p = static_cast<uint16_t>(as_bits(v) >> 16); }  // v already rounded
+
+template <typename E> inline __m256 round8(__m256 v);
+template <> inline __m256 round8<float>(__m256 v) { return v; }
+template <> inline __m256 round8<uint16_t>(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(b, 16),
+                                                                                     _mm256_set1_epi32(1)));
+  const __m256 r = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(b, bias), _mm256_set1_epi32(-65536)));
+  return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {  // v already rounded: its high halves
+  const __m256i b = _mm256_srli_epi32(_mm256_castps_si256(v), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+template <typename E>
+void rms_norm_impl(const E* X, const E* W, E* Y, int64_t M, int64_t H, float eps) {
+  for (int64_t m = 0; m < M; ++m) {
+    const E* xr = X + m * H;
+    E* yr = Y + m * H;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8) {
+      const __m256 v = load8(xr + h);
+      acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (; h < H; ++h) ss += to_f(xr[h]) * to_f(xr[h]);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    const __m256 r8 = _mm256_set1_ps(r);
+    for (h = 0; h + 8 <= H; h += 8)
+      store8(yr + h, round8<E>(_mm256_mul_ps(load8(W + h), round8<E>(_mm256_mul_ps(load8(xr + h), r8)))));
+    for (; h < H; ++h) put(yr + h, round_s<E>(to_f(W[h]) * round_s<E>(to_f(xr[h]) * r)));
+  }
+}
+
+// x [..., H] -> weight * normalize(x) over the last dim, the dtype of x (float32 or bfloat16, weight alike).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kBFloat16) && w.scalar_type() == t,
+              "rms_norm: x and weight must both be float32 or both bfloat16");
+  TORCH_CHECK(w.dim() == 1 && x.size(-1) == w.size(0), "rms_norm: weight must be [H] with H = x's last dim");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto y = torch::empty_like(x);
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  if (t == at::kFloat)
+    rms_norm_impl<float>(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, H, eps);
+  else
+    rms_norm_impl<uint16_t>(static_cast<const uint16_t*>(x.data_ptr()), static_cast<const uint16_t*>(w.data_ptr()),
+                            static_cast<uint16_t*>(y.data_ptr()), M, H, eps);
+  return y;
+}
+
+// One head's row: y = x * cos + rotate_half(x) * sin, each product and the sum rounded to E (as torch's ops).
+template <typename E>
+inline void rope_row(const E* x, const E* c, const E* s, E* y, int64_t D) {
+  const int64_t half = D / 2;
+  int64_t d = 0;
+  if (half % 8 == 0)
+    for (; d < half; d += 8) {
+      const __m256 x1 = load8(x + d), x2 = load8(x + half + d);
+      const __m256 lo = _mm256_add_ps(round8<E>(_mm256_mul_ps(x1, load8(c + d))),
+                                      round8<E>(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), load8(s + d))));
+      const __m256 hi = _mm256_add_ps(round8<E>(_mm256_mul_ps(x2, load8(c + half + d))),
+                                      round8<E>(_mm256_mul_ps(x1, load8(s + half + d))));
+      store8(y + d, round8<E>(lo));
+      store8(y + half + d, round8<E>(hi));
+    }
+  for (; d < half; ++d) {
+    const float x1 = to_f(x[d]), x2 = to_f(x[half + d]);
+    put(y + d, round_s<E>(round_s<E>(x1 * to_f(c[d])) + round_s<E>(-x2 * to_f(s[d]))));
+    put(y + half + d, round_s<E>(round_s<E>(x2 * to_f(c[half + d])) + round_s<E>(x1 * to_f(s[half + d]))));
+  }
+}
+
+// x [B, T, heads, D] (last dim contiguous; a slice of the joined q/k/v output), cos, sin [B, T, D] -> rotate-half
+// RoPE as HF Llama, contiguous [B, T, heads, D], x's dtype.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  const auto t = x.scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kBFloat16) && cos.scalar_type() == t && sin.scalar_type() == t,
+              "rope: x, cos and sin must all be float32 or all bfloat16");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, "rope: x must be [B, T, heads, D] with "
+              "contiguous rows and D even");
+  TORCH_CHECK(cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == x.size(1) && cos.size(2) == x.size(3)
+              && sin.sizes() == cos.sizes(), "rope: cos and sin must be [B, T, D]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto y = torch::empty(x.sizes(), x.options());
+  const int64_t B = x.size(0), S = x.size(1), NH = x.size(2), D = x.size(3);
+  const int64_t es = t == at::kFloat ? 4 : 2;
+  const char* X = static_cast<const char*>(x.data_ptr());
+  const char* C = static_cast<const char*>(cos.data_ptr());
+  const char* Sn = static_cast<const char*>(sin.data_ptr());
+  char* Y = static_cast<char*>(y.data_ptr());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < S; ++i)
+      for (int64_t n = 0; n < NH; ++n) {
+        const char* xr = X + (b * x.stride(0) + i * x.stride(1) + n * x.stride(2)) * es;
+        const char* c = C + (b * S + i) * D * es;
+        const char* s = Sn + (b * S + i) * D * es;
+        char* yr = Y + ((b * S + i) * NH + n) * D * es;
+        if (t == at::kFloat)
+          rope_row<float>(reinterpret_cast<const float*>(xr), reinterpret_cast<const float*>(c),
+                          reinterpret_cast<const float*>(s), reinterpret_cast<float*>(yr), D);
+        else
+          rope_row<uint16_t>(reinterpret_cast<const uint16_t*>(xr), reinterpret_cast<const uint16_t*>(c),
+                             reinterpret_cast<const uint16_t*>(s), reinterpret_cast<uint16_t*>(yr), D);
+      }
+  return y;
+}
+
+// silu(g) = g / (1 + e^-g), through e = exp(-|g|) <= 1 (exp8's range): g >= 0: g / (1 + e); g < 0: g e / (1 + e).
+inline __m256 silu8(__m256 g) {
+  const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), g);  // |g|
+  const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+  const __m256 num = _mm256_blendv_ps(g, _mm256_mul_ps(g, e), g);  // the sign bit of g picks g * e
+  return _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+template <typename E>
+void silu_mul_impl(const E* G, E* Y, int64_t M, int64_t I) {
+  alignas(32) float tail[8];
+  for (int64_t m = 0; m < M; ++m) {
+    const E* g = G + m * 2 * I;
+    const E* u = g + I;
+    E* y = Y + m * I;
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8)  // silu(g) rounded, times up rounded: torch's two ops
+      store8(y + i, round8<E>(_mm256_mul_ps(round8<E>(silu8(load8(g + i))), load8(u + i))));
+    if (i < I) {  // the last I % 8: through a padded buffer, the same lane math
+      for (int j = 0; j < 8; ++j) tail[j] = i + j < I ? to_f(g[i + j]) : 0.0f;
+      _mm256_store_ps(tail, round8<E>(silu8(_mm256_load_ps(tail))));
+      for (int64_t j = 0; i + j < I; ++j) put(y + i + j, round_s<E>(tail[j] * to_f(u[i + j])));
+    }
+  }
+}
+
+// gu [..., 2I] = [gate | up] (the joined gate/up output) -> silu(gate) * up [..., I], gu's dtype.
+torch::Tensor silu_mul(torch::Tensor gu) {
+  const auto t = gu.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kBFloat16, "silu_mul: input must be float32 or bfloat16");
+  TORCH_CHECK(gu.size(-1) % 2 == 0, "silu_mul: the last dim must be [gate | up], even");
+  gu = gu.contiguous();
+  const int64_t I = gu.size(-1) / 2, M = gu.numel() / (2 * I);
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = I;
+  auto y = torch::empty(shape, gu.options());
+  if (t == at::kFloat)
+    silu_mul_impl<float>(gu.data_ptr<float>(), y.data_ptr<float>(), M, I);
+  else
+    silu_mul_impl<uint16_t>(static_cast<const uint16_t*>(gu.data_ptr()), static_cast<uint16_t*>(y.data_ptr()), M, I);
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "weight [N, K] (float32, bf16 bits as int16, int8) -> packed [ceil(N/8), K, 8]");
   m.def("linear", &linear, "float32 x [M, K] @ packed weight (* scale) (+ bias) -> [M, N]");
+  m.def("rms_norm", &rms_norm, "x [..., H], weight [H], eps -> weight * x / rms(x), row by row, x's dtype");
+  m.def("rope", &rope, "x [B, T, heads, D], cos, sin [B, T, D] -> rotate-half RoPE, contiguous [B, T, heads, D]");
+  m.def("silu_mul", &silu_mul, "[..., 2I] = [gate | up] -> silu(gate) * up [..., I]");
   m.def("attention", &attention, "float32 or bf16 q [B, H, T, D], k, v [B, KVH, S, D], bool mask [B, 1, T, S], "
         "scale -> float32 [B, H, T, D], each query on its own over the keys its mask allows");
 }

@@ -74,9 +74,11 @@ class TargetModel:
         self.decode_kernel = bool(kind and (kind == "fp32" or all(d % 2 == 0 for d in dims))
                                   and cpu_linear.available(kind))
         self.kernel = kind if self.decode_kernel else None  # for reports: which kernel runs generated tokens
-        # generated tokens' attention: the fp32 extension's row-invariant kernel (fp32 math for fp32 and bf16
-        # tokens) where it runs; else SDPA calls of a fixed query count (`attend`)
-        self.decode_attention = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
+        # generated tokens' attention, norms, RoPE and SiLU-and-multiply: the fp32 extension's row-invariant ops
+        # (fp32 math for fp32 and bf16 tokens, one call each) where they run; else torch's, and SDPA calls of a
+        # fixed query count for attention (`attend`)
+        self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
+        self.silu = getattr(c, "hidden_act", None) == "silu"
         # packed weights by decode group (`decode_groups`), or by one projection where a group does not join
         self._packed: dict[tuple[nn.Module, ...], cpu_linear.PackedLinear] = {}  # made on first decode use
         self.weights = weights or "fp32"
@@ -199,10 +201,11 @@ class TargetModel:
             if capture and i in self.aux_layer_ids:
                 grabbed.append(h)
             h = self.block(i, layer, h, cos, sin, cache, slots, start, S, mask, prefill)
-        last = rms_norm(self.base.norm, h) if capture and self.capture_last else None  # [B, T, H]
+        ops = self.decode_ops and not prefill
+        last = rms_norm(self.base.norm, h, ops) if capture and self.capture_last else None  # [B, T, H]
         if logits_at is not None:
             h = h[torch.arange(B, device=h.device), logits_at][:, None]  # [B, 1, H]
-        logits = self.linear(self.model.lm_head, rms_norm(self.base.norm, h), prefill)  # [B, T, V]
+        logits = self.linear(self.model.lm_head, rms_norm(self.base.norm, h, ops), prefill)  # [B, T, V]
         aux = None
         if capture and self.aux_layer_ids:
             by_id = dict(zip([i for i in range(self.num_layers) if i in self.aux_layer_ids], grabbed))
@@ -215,27 +218,38 @@ class TargetModel:
         """One pre-norm decoder layer (Llama/Qwen2/Qwen3 share this shape)."""
         B, T, _ = h.shape
         attn = layer.self_attn
-        x = rms_norm(layer.input_layernorm, h)
+        ops = self.decode_ops and not prefill  # generated tokens on CPU: the extension's one-call ops
+        x = rms_norm(layer.input_layernorm, h, ops)
         q, k, v = self.project((attn.q_proj, attn.k_proj, attn.v_proj), x, prefill)
         q = q.view(B, T, -1, self.head_dim)  # [B, T, h, D]
         k = k.view(B, T, -1, self.head_dim)  # [B, T, kvh, D]
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, kvh, T, D]
         if self.qk_norm:  # Qwen3: per-head RMSNorm before rope
-            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
+            q, k = rms_norm(attn.q_norm, q, ops), rms_norm(attn.k_norm, k, ops)
+        if ops:
+            q = cpu_linear.rope(q, cos[:, 0], sin[:, 0]).transpose(1, 2)  # [B, h, T, D]
+            k = cpu_linear.rope(k, cos[:, 0], sin[:, 0]).transpose(1, 2)  # [B, kvh, T, D]
+        else:
+            q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
+            k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
         ck, cv = self.layer_kv(cache, i)
         write_kv(ck, k, slots, start)
         write_kv(cv, v, slots, start)
-        if self.decode_attention and not prefill:  # generated tokens on CPU: fp32 math, one rounding to the dtype
+        if ops:  # fp32 math, one rounding to the dtype
             o = cpu_linear.attention_fp32(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling).to(h.dtype)  # [B, h, T, D]
         else:  # prompts; generated CPU tokens without the kernel: SDPA calls of a fixed query count (row-invariant)
             per_query = not prefill and x.device.type == "cpu" and (x.dtype == torch.bfloat16 or self.decode_kernel)
             o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
         h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
-        mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h)
-        gate, up = self.project((mlp.gate_proj, mlp.up_proj), x, prefill)  # [B, T, I] each
-        return h + self.linear(mlp.down_proj, mlp.act_fn(gate) * up, prefill)
+        mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h, ops)
+        if ops and self.silu:
+            joined = self.packed(mlp.gate_proj, mlp.up_proj)
+            gate_up = joined(x) if joined is not None else torch.cat(self.project((mlp.gate_proj, mlp.up_proj), x), -1)
+            act = cpu_linear.silu_mul(gate_up)  # [B, T, I]
+        else:
+            gate, up = self.project((mlp.gate_proj, mlp.up_proj), x, prefill)  # [B, T, I] each
+            act = mlp.act_fn(gate) * up
+        return h + self.linear(mlp.down_proj, act, prefill)
 
     def project(self, group: tuple[nn.Module, ...], x: torch.Tensor, prefill: bool = False) -> list[torch.Tensor]:
         """[proj(x) for proj in group]; generated tokens take one call of the group's joined packed weight."""
@@ -289,8 +303,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)[:, :, :T]
 
 
-def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """HF Llama/Qwen RMSNorm (fp32 statistics, weight applied in the input dtype) as one fused op."""
+def rms_norm(norm: nn.Module, x: torch.Tensor, kernel: bool = False) -> torch.Tensor:
+    """HF Llama/Qwen RMSNorm (fp32 statistics, weight applied in the input dtype); `kernel`: in one call of the
+    CPU extension (generated tokens), else with torch (F.rms_norm runs as ~8 operators on CPU)."""
+    if kernel:
+        return cpu_linear.rms_norm(x, norm.weight, norm.variance_epsilon)
     y = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * y.to(x.dtype)
 
