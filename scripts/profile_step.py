@@ -1,13 +1,15 @@
 """Where a decode step and a verify block spend their time, by phase, in our runtime's target forward.
 
     python scripts/profile_step.py                                  # SmolLM2, the run's dtype, weights as loaded
-    python scripts/profile_step.py dtype=float32 weights=int8 rows=[1,8] prefix=256 repeats=20
+    python scripts/profile_step.py dtype=float32 weights=int8 rows=[1,8] prefix=256 repeats=20 top=15
 
 Runs one forward of `rows` new tokens on a cached prefix under torch.profiler and groups the operators into
-phases: projections (the decode kernel or oneDNN), attention (SDPA), norms, RoPE and elementwise math, KV
-writes and masks, and the rest of the wall time (Python and dispatch overhead). Prints the CPU class, the
-kernel, the bandwidth bound (`drafthead bench`'s) and milliseconds per phase, so the next thing to trim is the
-biggest row after the projections.
+phases: projections (the decode kernel or oneDNN), attention (the extension's or SDPA), norms, RoPE and
+elementwise math, KV writes and masks, and the rest of the wall time (Python and dispatch overhead). Prints the
+CPU class, the kernel, the bandwidth bound (`drafthead bench`'s) and milliseconds per phase, so the next thing
+to trim is the biggest row after the projections; `top=N` also lists the N operators with the most self time.
+The labels the extension's calls get cost a few microseconds each under the profiler: wall times here run
+above `drafthead bench`'s, which times forwards without it.
 """
 from __future__ import annotations
 
