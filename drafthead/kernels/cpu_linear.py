@@ -1,5 +1,6 @@
 """Row-invariant projections for CPU decoding, compiled on first use: `cpu_linear.cpp` (bf16, AVX512-BF16) and
-`cpu_linear_avx2.cpp` (fp32 activations on AVX2/FMA, with fp32, bf16 or int8 weights).
+`cpu_linear_avx2.cpp` (fp32 activations on AVX2/FMA, with fp32, bf16 or int8 weights; also the attention,
+RMSNorm, RoPE and SiLU-and-multiply of generated fp32 and bf16 tokens, one call each).
 
 Why: a decode step or a verify block multiplies 1-16 rows by every weight of the target, so its cost is the
 time to stream the weights once. oneDNN does not reach that at these row counts: its bf16 matmul ran at
