@@ -181,12 +181,11 @@ class TargetModel:
         positions = lens[:, None] + (offs if depth is None else depth)  # [B, T]
         start = int(lens[0]) if bool((lens == lens[0]).all()) else None  # all requests aligned: slice writes
         # Batch invariance: a token's logits must not depend on how many tokens share its forward, or a
-        # near-tie argmax can flip between a verify block and plain decoding. bf16 matmuls (oneDNN) are
-        # row-invariant up to INVARIANT_ROWS rows (`linear` chunks larger calls); CPU SDPA is too, given the
-        # same key length and more than one query (q_len 1 takes a separate decode kernel). So attention always spans the whole cache (masked) and a lone query
-        # is doubled (`attend`): in bf16, speculative greedy output then equals AR output bit for bit. On CPU
-        # the packed decode kernel (`cpu_linear`) is row-invariant at any row count.
-        # (fp32 matmuls switch kernels by row count; there equality holds up to rounding.)
+        # near-tie argmax can flip between a verify block and plain decoding. On CPU, generated tokens go through
+        # the extension's projections, attention and small ops, each row-invariant by construction. Without them,
+        # bf16 oneDNN matmuls are row-invariant up to INVARIANT_ROWS rows (`linear` chunks larger calls) and SDPA
+        # runs in fixed-size query calls over the whole cache (`attend`); fp32 oneDNN matmuls switch kernels by
+        # row count, so there equality holds up to rounding.
         S = cache.shape[2]
         if int(lens.max()) + T > S:
             raise ValueError(f"KV cache overflow: {int(lens.max())} cached + {T} new tokens > capacity {S}")
