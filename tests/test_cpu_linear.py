@@ -318,6 +318,7 @@ def test_small_ops_match_torch_and_ignore_row_count(dtype: torch.dtype) -> None:
         got = cpu_linear.rope(x, cos, sin)  # [2, 5, 12, D]
         assert torch.equal(got, apply_rope(x.transpose(1, 2), cos[:, None], sin[:, None]).transpose(1, 2)), D
         assert torch.equal(cpu_linear.rope(x[1:, 2:3], cos[1:, 2:3], sin[1:, 2:3]), got[1:, 2:3])
+        assert torch.equal(cpu_linear.rope(x, cos[:, None], sin[:, None]), got)  # the runtime's [B, 1, T, D]
     for I in (1536, 1541):
         gu = (torch.randn(3, 4, 2 * I, generator=g) * 4).to(dtype)
         want = torch.nn.functional.silu(gu[..., :I]) * gu[..., I:]
@@ -332,9 +333,13 @@ def test_small_ops_bad_inputs_are_named_errors() -> None:
         cpu_linear.rms_norm(torch.randn(2, 8), torch.ones(8).bfloat16(), 1e-5)
     with pytest.raises(RuntimeError, match="weight must be"):
         cpu_linear.rms_norm(torch.randn(2, 8), torch.ones(9), 1e-5)
-    with pytest.raises(RuntimeError, match="cos and sin must be"):
+    with pytest.raises(RuntimeError, match=r"cos and sin must be \[B, T, D\] or \[B, 1, T, D\]"):
         cpu_linear.rope(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4), torch.randn(1, 2, 4))
     with pytest.raises(RuntimeError, match="all be float32 or all bfloat16"):
         cpu_linear.rope(torch.randn(1, 2, 3, 8).double(), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
     with pytest.raises(RuntimeError, match=r"\[gate \| up\]"):
         cpu_linear.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="contiguous rows and D even"):
+        cpu_linear.rope(torch.randn(1, 2, 3, 7), torch.randn(1, 2, 7), torch.randn(1, 2, 7))
+    with pytest.raises(RuntimeError, match="input must be float32 or bfloat16"):
+        cpu_linear.silu_mul(torch.randn(2, 8).double())

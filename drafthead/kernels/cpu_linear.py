@@ -221,7 +221,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of generated tokens in one call: x [B, T, heads, D] (a view whose rows are contiguous),
-    cos, sin [B, T, D] -> contiguous [B, T, heads, D]; rounds where HF's `x * cos + rotate_half(x) * sin` does
+    cos, sin [B, T, D] or [B, 1, T, D] -> contiguous [B, T, heads, D]; rounds where HF's `x * cos + rotate_half(x) * sin` does
     (fp32: the same bits)."""
     return _ext("fp32").rope(x, cos, sin)
 

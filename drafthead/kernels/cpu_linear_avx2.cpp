@@ -20,13 +20,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
-
-inline float as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
-inline uint32_t as_bits(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
 
 constexpr int64_t kLanes = 8;  // outputs per packed block
 constexpr int kBlocks = 6;     // packed blocks per work item (48 outputs)
@@ -347,19 +343,16 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 // loops with a fixed order (a row's bits do not depend on the number of rows), in fp32, rounded to the input
 // dtype where torch's decode path rounds (HF's bf16 rounding points: normalized x, then times the weight).
 
-// E = float or uint16_t (bf16 bits). Values move as fp32; round<E> gives the fp32 value of the rounding to E
-// (bf16: to nearest even, NaN kept a NaN, as c10::BFloat16), so results round exactly where torch's ops round.
+// E = float or uint16_t (bf16 bits). Values move as fp32; round_s / round8 give the fp32 value of the rounding to
+// E (bf16: c10's round to nearest even, NaN kept a NaN; round8 is its 8-lane twin), so results round exactly where
+// torch's ops round.
 inline float to_f(float v) { return v; }
-inline float to_f(uint16_t v) { return as_float(static_cast<uint32_t>(v) << 16); }
+inline float to_f(uint16_t v) { return c10::detail::f32_from_bits(v); }
 template <typename E> inline float round_s(float v);
 template <> inline float round_s<float>(float v) { return v; }
-template <> inline float round_s<uint16_t>(float v) {
-  if (std::isnan(v)) return as_float(0x7FC00000u);
-  const uint32_t b = as_bits(v);
-  return as_float((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);
-}
+template <> inline float round_s<uint16_t>(float v) { return to_f(c10::detail::round_to_nearest_even(v)); }
 inline void put(float* p, float v) { *p = v; }
-inline void put(uint16_t* p, float v) { *p = static_cast<uint16_t>(as_bits(v) >> 16); }  // v already rounded
+inline void put(uint16_t* p, float v) { *p = c10::detail::round_to_nearest_even(v); }  // exact: v already rounded
 
 template <typename E> inline __m256 round8(__m256 v);
 template <> inline __m256 round8<float>(__m256 v) { return v; }
@@ -438,7 +431,8 @@ inline void rope_row(const E* x, const E* c, const E* s, E* y, int64_t D) {
   }
 }
 
-// x [B, T, heads, D] (last dim contiguous; a slice of the joined q/k/v output), cos, sin [B, T, D] -> rotate-half
+// x [B, T, heads, D] (last dim contiguous; a slice of the joined q/k/v output), cos, sin [B, T, D] or [B, 1, T, D]
+// (the runtime's shape, squeezed here rather than by two Python slices a layer) -> rotate-half
 // RoPE as HF Llama, contiguous [B, T, heads, D], x's dtype.
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const auto t = x.scalar_type();
@@ -446,8 +440,12 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
               "rope: x, cos and sin must all be float32 or all bfloat16");
   TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, "rope: x must be [B, T, heads, D] with "
               "contiguous rows and D even");
+  if (cos.dim() == 4 && cos.size(1) == 1 && sin.dim() == 4 && sin.size(1) == 1) {  // the runtime's [B, 1, T, D]
+    cos = cos.squeeze(1);
+    sin = sin.squeeze(1);
+  }
   TORCH_CHECK(cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == x.size(1) && cos.size(2) == x.size(3)
-              && sin.sizes() == cos.sizes(), "rope: cos and sin must be [B, T, D]");
+              && sin.sizes() == cos.sizes(), "rope: cos and sin must be [B, T, D] or [B, 1, T, D]");
   cos = cos.contiguous();
   sin = sin.contiguous();
   auto y = torch::empty(x.sizes(), x.options());
@@ -523,7 +521,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "weight [N, K] (float32, bf16 bits as int16, int8) -> packed [ceil(N/8), K, 8]");
   m.def("linear", &linear, "float32 x [M, K] @ packed weight (* scale) (+ bias) -> [M, N]");
   m.def("rms_norm", &rms_norm, "x [..., H], weight [H], eps -> weight * x / rms(x), row by row, x's dtype");
-  m.def("rope", &rope, "x [B, T, heads, D], cos, sin [B, T, D] -> rotate-half RoPE, contiguous [B, T, heads, D]");
+  m.def("rope", &rope, "x [B, T, heads, D], cos, sin [B, T, D] or [B, 1, T, D] -> rotate-half RoPE, contiguous "
+        "[B, T, heads, D]");
   m.def("silu_mul", &silu_mul, "[..., 2I] = [gate | up] -> silu(gate) * up [..., I]");
   m.def("attention", &attention, "float32 or bf16 q [B, H, T, D], k, v [B, KVH, S, D], bool mask [B, 1, T, S], "
         "scale -> float32 [B, H, T, D], each query on its own over the keys its mask allows");

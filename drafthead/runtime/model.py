@@ -226,8 +226,8 @@ class TargetModel:
         if self.qk_norm:  # Qwen3: per-head RMSNorm before rope
             q, k = rms_norm(attn.q_norm, q, ops), rms_norm(attn.k_norm, k, ops)
         if ops:
-            q = cpu_linear.rope(q, cos[:, 0], sin[:, 0]).transpose(1, 2)  # [B, h, T, D]
-            k = cpu_linear.rope(k, cos[:, 0], sin[:, 0]).transpose(1, 2)  # [B, kvh, T, D]
+            q = cpu_linear.rope(q, cos, sin).transpose(1, 2)  # [B, h, T, D]
+            k = cpu_linear.rope(k, cos, sin).transpose(1, 2)  # [B, kvh, T, D]
         else:
             q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, h, T, D]
             k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, kvh, T, D]
