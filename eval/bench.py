@@ -133,17 +133,22 @@ def time_method(run: Callable, prompts: list[list[int]], max_new: int, device: s
             "acceptance_length": verified / forwards if counted and forwards else None, "outputs": outputs}
 
 
-def _median_ms(call: Callable[[], None], undo: Callable[[], None], repeats: int, device: str) -> float:
-    times = []
+def _median_ms(calls: list[tuple[Callable[[], None], Callable[[], None]]], repeats: int, device: str
+               ) -> list[float]:
+    """Median wall time of each (call, undo) pair, in ms. The calls take turns (one of each per round, the
+    first round a warm-up), so a machine whose speed drifts between minutes (shared VMs did, by 2x) slows every
+    size alike and the ratios between them stay fair."""
+    times: list[list[float]] = [[] for _ in calls]
     for rep in range(repeats + 1):
-        _sync(device)
-        t0 = time.perf_counter()
-        call()
-        _sync(device)
-        if rep:  # the first call is a warm-up for this shape
-            times.append(time.perf_counter() - t0)
-        undo()
-    return 1000 * statistics.median(times)
+        for i, (call, undo) in enumerate(calls):
+            _sync(device)
+            t0 = time.perf_counter()
+            call()
+            _sync(device)
+            if rep:
+                times[i].append(time.perf_counter() - t0)
+            undo()
+    return [1000 * statistics.median(t) for t in times]
 
 
 def _relative(rows: list[dict]) -> list[dict]:
@@ -164,12 +169,12 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
     lens = torch.zeros(1, dtype=torch.long, device=device)
     target_model.forward(cache, torch.tensor([prefix], device=device), lens, logits_at=lens, prefill=True)
     lens = lens + len(prefix)
-    rows = []
-    for n in sizes:
+    def forward(n: int) -> Callable[[], None]:
         new = torch.tensor([[prefix[i % len(prefix)] for i in range(n)]], device=device)  # [1, n]
-        ms = _median_ms(lambda: target_model.forward(cache, new, lens), lambda: None, repeats, device)
-        rows.append({"num_tokens": n, "ms": ms})
-    return _relative(rows)
+        return lambda: target_model.forward(cache, new, lens)
+
+    ms = _median_ms([(forward(n), lambda: None) for n in sizes], repeats, device)
+    return _relative([{"num_tokens": n, "ms": t} for n, t in zip(sizes, ms)])
 
 
 @torch.no_grad()
@@ -181,13 +186,13 @@ def hf_verify_cost_curve(model: Any, prefix: list[int], sizes: list[int], repeat
     cache = getattr(model(input_ids=ids, use_cache=True), cache_kw)
     if cache.get_seq_length() != len(prefix):
         raise RuntimeError(f"verify-cost curve: the cache holds {cache.get_seq_length()} of {len(prefix)} tokens")
-    rows = []
-    for n in sizes:
+    def forward(n: int) -> tuple[Callable[[], None], Callable[[], None]]:
         new = torch.tensor([[prefix[i % len(prefix)] for i in range(n)]], device=device)  # [1, n]
-        ms = _median_ms(lambda: model(input_ids=new, use_cache=True, **{cache_kw: cache}),
-                        lambda: cache.crop(-n), repeats, device)  # crop: drop the n appended entries
-        rows.append({"num_tokens": n, "ms": ms})
-    return _relative(rows)
+        return (lambda: model(input_ids=new, use_cache=True, **{cache_kw: cache}),
+                lambda: cache.crop(-n))  # crop: drop the n appended entries
+
+    ms = _median_ms([forward(n) for n in sizes], repeats, device)
+    return _relative([{"num_tokens": n, "ms": t} for n, t in zip(sizes, ms)])
 
 
 def read_bandwidth(device: str, mib: int = 512, repeats: int = 5) -> float:
@@ -286,7 +291,8 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
                                        "(our runtime only; AR = 1)",
                   "outputs_equal_our_ar": "prompts whose output equals our AR output token for token",
                   "verify_cost": "median wall time of one target forward (our runtime's, as in a verify round) "
-                                 "of num_tokens new tokens appended to a cached prefix of verify_prefix tokens",
+                                 "of num_tokens new tokens appended to a cached prefix of verify_prefix tokens; "
+                                 "the sizes take turns, one forward of each per round",
                   "verify_cost_hf": "the same through HF model(...) with a DynamicCache",
                   "bandwidth_bound": "bytes of projection weights one generated token streams / measured read "
                                      "bandwidth (a sum over a 512 MiB tensor): the least a 1-token forward "
