@@ -17,7 +17,7 @@ import torch
 
 from drafthead.hardware import check_dtype
 from drafthead.runtime.generate import DRAFTER_MODES, MODES  # the runtime's modes are the eval's
-from eval.acceptance import generate_samples, warmup
+from eval.acceptance import generate_runs, warmup
 from eval.datasets import DATASETS, load_eval_dataset
 from eval.report import build_report, machine_info, write_report
 
@@ -171,14 +171,15 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
     spec, ar = spec_configs(cfg, mode)
     tok = target.tokenizer
 
-    runs = {}
-    for name, sc in (("speculative", spec), ("autoregressive", ar)):
+    specs = {"speculative": spec, "autoregressive": ar}
+    for sc in specs.values():
         warmup(generator, tok, samples[0], sc)
-        torch.manual_seed(cfg.seed)
-        t0 = time.perf_counter()
-        runs[name] = generate_samples(generator, tok, samples, cfg.max_new_tokens, sc,
-                                      desc=f"{cfg.dataset} {sc.mode}", progress=cfg.progress)
-        print(f"{name} ({sc.mode}): {len(runs[name])} turns in {time.perf_counter() - t0:.1f} s")
+    torch.manual_seed(cfg.seed)
+    t0 = time.perf_counter()
+    runs = generate_runs(generator, tok, samples, cfg.max_new_tokens, specs,
+                         desc=f"{cfg.dataset} {spec.mode} + ar", progress=cfg.progress)
+    print(f"{spec.mode} and ar, taking turns: {len(runs['speculative'])} turns each in "
+          f"{time.perf_counter() - t0:.1f} s")
 
     settings = {"dataset": cfg.dataset, "max_prompts": cfg.max_prompts, "max_new_tokens": cfg.max_new_tokens,
                 "draft": str(Path(cfg.draft).resolve()) if cfg.draft else None,

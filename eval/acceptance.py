@@ -115,37 +115,51 @@ def compare_outputs(spec: Sequence[Generation], ar: Sequence[Generation]) -> lis
 
 def generate_samples(generator: Any, tokenizer: Any, samples: Sequence[EvalSample], max_new_tokens: int,
                      spec: Any, desc: str = "generate", progress: bool = True) -> list[Generation]:
-    """Run every turn of every sample; turn i+1 sees the model's own answer to turn i.
+    """Run every turn of every sample with one spec (`generate_runs` with one run)."""
+    return generate_runs(generator, tokenizer, samples, max_new_tokens, {"run": spec}, desc, progress)["run"]
 
-    Batches (spec.batch_size) never mix categories, so the wall time of each batch belongs to one
-    category and per-category tokens/s is exact.
+
+def generate_runs(generator: Any, tokenizer: Any, samples: Sequence[EvalSample], max_new_tokens: int,
+                  specs: dict[str, Any], desc: str = "generate", progress: bool = True) -> dict[str, list[Generation]]:
+    """Run every turn of every sample once per spec; turn i+1 sees that run's own answer to turn i.
+
+    The runs take turns batch by batch, in an order that alternates, so a machine whose speed drifts between
+    minutes (shared VMs did, by up to 2x) slows every run alike and their tokens/s ratio stays fair; one run
+    after the other put the drift into the speedup. Batches (spec.batch_size, the same for every run) never mix
+    categories, so the wall time of each batch belongs to one category and per-category tokens/s is exact.
     """
-    batch_size = max(1, int(getattr(spec, "batch_size", 1)))
-    history: dict[str, list[dict[str, str]]] = {s.id: [] for s in samples}
-    out: list[Generation] = []
+    sizes = {max(1, int(getattr(sc, "batch_size", 1))) for sc in specs.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"runs that take turns need one batch size, got {sorted(sizes)}")
+    batch_size = sizes.pop()
+    names = list(specs)
+    history = {n: {s.id: [] for s in samples} for n in names}
+    out: dict[str, list[Generation]] = {n: [] for n in names}
     num_turns = max((len(s.turns) for s in samples), default=0)
-    bar = tqdm(total=sum(len(s.turns) for s in samples), desc=desc, unit="turn", disable=not progress,
+    bar = tqdm(total=len(names) * sum(len(s.turns) for s in samples), desc=desc, unit="turn", disable=not progress,
                dynamic_ncols=True)
+    flip = False
     try:
         for turn in range(num_turns):
             todo = [s for s in samples if len(s.turns) > turn]
             for batch in _category_batches(todo, batch_size):
-                prompts = []
-                for s in batch:
-                    history[s.id].append({"role": "user", "content": s.turns[turn]})
-                    prompts.append(chat_prompt(tokenizer, history[s.id]))
-                t0 = time.perf_counter()
-                results = generator.generate(prompts, max_new_tokens, spec)
-                wall = time.perf_counter() - t0
-                if len(results) != len(batch):
-                    raise RuntimeError(f"generator returned {len(results)} results for {len(batch)} prompts")
-                for s, p, r in zip(batch, prompts, results):
-                    text = tokenizer.decode(list(r.tokens), skip_special_tokens=True)
-                    history[s.id].append({"role": "assistant", "content": text})
-                    out.append(Generation(s.id, s.category, turn, len(p), r, wall / len(batch), text))
-                bar.update(len(batch))
-                done = [g for g in out if g.turn == turn]
-                tau = acceptance_length(g.result for g in done)
+                for n in (names[::-1] if flip else names):
+                    prompts = []
+                    for s in batch:
+                        history[n][s.id].append({"role": "user", "content": s.turns[turn]})
+                        prompts.append(chat_prompt(tokenizer, history[n][s.id]))
+                    t0 = time.perf_counter()
+                    results = generator.generate(prompts, max_new_tokens, specs[n])
+                    wall = time.perf_counter() - t0
+                    if len(results) != len(batch):
+                        raise RuntimeError(f"generator returned {len(results)} results for {len(batch)} prompts")
+                    for s, p, r in zip(batch, prompts, results):
+                        text = tokenizer.decode(list(r.tokens), skip_special_tokens=True)
+                        history[n][s.id].append({"role": "assistant", "content": text})
+                        out[n].append(Generation(s.id, s.category, turn, len(p), r, wall / len(batch), text))
+                    bar.update(len(batch))
+                flip = not flip
+                tau = acceptance_length(g.result for g in out[names[0]] if g.turn == turn)
                 bar.set_postfix(tau=f"{tau:.2f}" if tau else "-", refresh=False)
     finally:
         bar.close()

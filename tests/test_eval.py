@@ -18,7 +18,7 @@ import torch
 from drafthead import hardware
 from eval import EvalConfig, parse_kv, validate
 from eval.acceptance import (Generation, acceptance_length, acceptance_rate_by_position, compare_outputs,
-                             generate_samples, mean_accepted)
+                             generate_runs, generate_samples, mean_accepted)
 from eval.datasets import (HUMANEVAL_INSTRUCTION, EvalSample, chat_prompt, heldout_path, load_eval_dataset,
                            load_humaneval, load_mt_bench, load_sharegpt)
 from eval.report import build_report, write_report
@@ -266,6 +266,35 @@ def test_second_turn_sees_the_models_own_first_answer_and_batches_stay_in_one_ca
                                                        {"role": "assistant", "content": answer},
                                                        {"role": "user", "content": "second question"}]))
     assert sum(x.wall_s for x in gens) > 0
+
+
+def test_runs_take_turns_in_alternating_order_each_with_its_own_history():
+    """Two specs over the same batches: a call of each per batch, the order flipping every batch; each run's
+    second turn sees its own first answer (here the fake answers differently per spec)."""
+    samples = [EvalSample("w1", "writing", ("first question", "second question")),
+               EvalSample("m1", "math", ("2+2?", "times 3?"))]
+
+    class PerSpec(FakeGenerator):
+        def generate(self, prompts, max_new_tokens, spec, stream=None):
+            self.calls.append(spec.mode)
+            out = super().generate(prompts, max_new_tokens, spec)
+            if spec.mode == "ar":  # a different answer, so the histories differ
+                out = [Result(r.tokens[::-1], r.num_rounds, r.accept_lens, r.num_drafted) for r in out]
+            return out
+
+    g, tok = PerSpec(), CharTokenizer()
+    specs = {"speculative": SimpleNamespace(batch_size=1, mode="chain"), "autoregressive": SimpleNamespace(
+        batch_size=1, mode="ar")}
+    runs = generate_runs(g, tok, samples, 64, specs, progress=False)
+    assert [c for c in g.calls if isinstance(c, str)] == ["chain", "ar", "ar", "chain"] * 2  # 4 batches
+    for name in specs:
+        gens = runs[name]
+        assert [(x.sample_id, x.turn) for x in gens] == [("w1", 0), ("m1", 0), ("w1", 1), ("m1", 1)]
+    spec_first, ar_first = runs["speculative"][0].text, runs["autoregressive"][0].text
+    assert spec_first != ar_first
+    with pytest.raises(ValueError, match="one batch size"):
+        generate_runs(g, tok, samples, 64, {"a": SimpleNamespace(batch_size=1, mode="chain"),
+                                            "b": SimpleNamespace(batch_size=2, mode="ar")}, progress=False)
 
 
 # ------------------------------------------------------------------- end to end with the real runtime
