@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family
-from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, rope_cos_sin, shift, soft_cross_entropy,
-                              ttt_attention)
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin, shift,
+                              soft_cross_entropy, ttt_attention)
 from drafthead.vocab import target_to_draft
 
 
@@ -317,7 +317,7 @@ class Eagle3Drafter(nn.Module):
         S = k.shape[2]
         if attn_mask is None:
             attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
-        o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attn_mask)
+        o = cached_attention(q, k, v, attn_mask)  # [B, h, T, D]
         out = layer.post(o.transpose(1, 2).reshape(B, T, -1), residual)
         return self.lm_head(self.norm(out)), out, (k, v)
 

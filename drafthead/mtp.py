@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family
-from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, shift, soft_cross_entropy, ttt_attention
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin, shift,
+                              soft_cross_entropy, ttt_attention)
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
 
 FASTMTP_STEP_WEIGHTS = [0.51, 0.31, 0.18]  # TencentBAC/FastMTP mtp_loss_step_weights for K = 3
@@ -437,7 +438,7 @@ class MtpDrafter(nn.Module):
         S = k.shape[2]
         if attn_mask is None:
             attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
-        o = F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), attn_mask=attn_mask)
+        o = cached_attention(q, k, v, attn_mask)  # [B, h, T, D]
         out = m.finish(x, attn.out(o, gate))  # [B, T, H]
         normed = m.shared_head.norm(out)
         return m.shared_head.head(normed), (normed if self.config.chain_normed else out), (k, v)

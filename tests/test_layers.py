@@ -44,3 +44,26 @@ def test_floored_softmax_has_no_denormals_and_equals_softmax():
     torch.testing.assert_close(got, plain, rtol=1e-5, atol=1e-20)
     torch.testing.assert_close(got.sum(-1), torch.ones(16))
     assert got.min() >= torch.tensor(EXP_FLOOR).exp() / 4000 * 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cached_attention_matches_expanded_sdpa_and_keeps_gradients(dtype):
+    """A draft step's attention (the CPU kernel where it is built, else SDPA with GQA) equals SDPA over K/V
+    expanded to every query head, with a mask broadcast over the batch; with autograd it stays differentiable."""
+    import torch.nn.functional as F
+
+    from drafthead.layers import cached_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, h, kvh, T, S, D = 2, 6, 2, 3, 21, 16
+    q = torch.randn(B, h, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, kvh, S, D, generator=g).to(dtype) for _ in range(2))
+    mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)[None, None]  # [1, 1, T, S]
+    want = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(h // kvh, 1),
+                                          v.double().repeat_interleave(h // kvh, 1), attn_mask=mask)
+    got = cached_attention(q, k, v, mask)
+    assert got.dtype == dtype and got.shape == (B, h, T, D)
+    assert (got.double() - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+    qg = q.float().requires_grad_()
+    cached_attention(qg, k.float(), v.float(), mask).sum().backward()
+    assert qg.grad is not None and qg.grad.abs().sum() > 0
