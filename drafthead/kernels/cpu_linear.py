@@ -151,7 +151,8 @@ def kind_for(dtype: torch.dtype) -> str | None:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """bf16 weight [N, K] (K even) -> packed [ceil(N/16), K/2, 16, 2], made once per weight."""
+    """bf16 weight [N, K] (K even) -> packed [ceil(N/16), K/2, 16, 2] (blocks of 16 outputs, stored in groups of 4
+    blocks side by side per k-pair; cpu_linear.cpp), made once per weight."""
     ext = _ext("bf16")
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
         raise ValueError(f"pack needs a bf16 [N, K] weight with K even, got {weight.dtype} {tuple(weight.shape)}")
@@ -295,7 +296,10 @@ def concat(parts: list[PackedLinear]) -> PackedLinear:
     out.out_features = sum(p.out_features for p in parts)
     out.weight = None  # the parts' weights stay with their own modules
     out.bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
-    out.register_buffer("packed", torch.cat([p.packed for p in parts]), persistent=False)
+    # bf16: packed again from the joined weight (its blocks are stored in groups that a part's end may split)
+    packed = (pack(torch.cat([p.weight.detach() for p in parts])) if out.kind == "bf16"
+              else torch.cat([p.packed for p in parts]))
+    out.register_buffer("packed", packed, persistent=False)
     out.register_buffer("scale", torch.cat([p.scale for p in parts]) if parts[0].scale is not None else None,
                         persistent=False)
     return out
