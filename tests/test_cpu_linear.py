@@ -270,16 +270,18 @@ def test_concat_gives_each_part_its_own_bits(kind: str, weights: str) -> None:
         pytest.skip(f"{kind} CPU kernel unavailable: {cpu_linear.unavailable_reason(kind)}")
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     torch.manual_seed(0)
-    for bias in (False, True):
-        lins = [nn.Linear(576, n, bias=bias).to(dtype) for n in (576, 192, 192)]
+    # SmolLM2's q/k/v, and parts whose ends split the kernels' groups of blocks (5 and 10 blocks: neither a
+    # multiple of the bf16 kernel's 4 nor of the fp32 kernel's 3)
+    for bias, sizes in ((False, (576, 192, 192)), (True, (576, 192, 192)), (False, (80, 48, 16)), (True, (80, 48))):
+        lins = [nn.Linear(576, n, bias=bias).to(dtype) for n in sizes]
         parts = [cpu_linear.PackedLinear(lin, weights) for lin in lins]
         joined = cpu_linear.concat(parts)
-        assert joined.out_features == 960
+        assert joined.out_features == sum(sizes)
         assert cpu_linear.packed_bytes(joined) == sum(map(cpu_linear.packed_bytes, parts))
         for rows in (1, 11):
             x = torch.randn(rows, 576).to(dtype)
-            want = torch.cat([p(x) for p in parts], dim=-1)  # [rows, 960]
-            assert torch.equal(joined(x), want), (bias, rows)
+            want = torch.cat([p(x) for p in parts], dim=-1)  # [rows, sum(sizes)]
+            assert torch.equal(joined(x), want), (bias, sizes, rows)
 
 
 @needs_fp32_kernel

@@ -271,6 +271,25 @@ class PackedLinear(nn.Module):
 
 
 LANES = {"bf16": 16, "fp32": 8}  # outputs per packed block of each kernel
+GROUP = {"bf16": 4, "fp32": 3}  # blocks each kernel stores side by side per k (kGroup in its .cpp)
+
+
+def _ungroup(packed: torch.Tensor, kind: str) -> torch.Tensor:
+    """A packed weight with its blocks one after the other ([NB, ...], each block's bytes together) instead of in
+    the kernel's groups of GROUP[kind] blocks side by side per k."""
+    g, per = GROUP[kind], packed[0].numel()
+    flat, out = packed.reshape(-1), []
+    for b0 in range(0, packed.shape[0], g):
+        w = min(g, packed.shape[0] - b0)
+        out.append(flat[b0 * per: (b0 + w) * per].view(packed.shape[1], w, *packed.shape[2:]).transpose(0, 1))
+    return torch.cat(out)
+
+
+def _group(blocks: torch.Tensor, kind: str) -> torch.Tensor:
+    """The inverse of `_ungroup`: blocks [NB, ...] -> the kernel's packed layout (same shape, group order)."""
+    g = GROUP[kind]
+    parts = [blocks[b0: b0 + g].transpose(0, 1).reshape(-1) for b0 in range(0, blocks.shape[0], g)]
+    return torch.cat(parts).view(blocks.shape)
 
 
 def can_concat(parts: list[PackedLinear]) -> bool:
@@ -296,10 +315,8 @@ def concat(parts: list[PackedLinear]) -> PackedLinear:
     out.out_features = sum(p.out_features for p in parts)
     out.weight = None  # the parts' weights stay with their own modules
     out.bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
-    # bf16: packed again from the joined weight (its blocks are stored in groups that a part's end may split)
-    packed = (pack(torch.cat([p.weight.detach() for p in parts])) if out.kind == "bf16"
-              else torch.cat([p.packed for p in parts]))
-    out.register_buffer("packed", packed, persistent=False)
+    blocks = torch.cat([_ungroup(p.packed, out.kind) for p in parts])  # a part's end may split a group
+    out.register_buffer("packed", _group(blocks, out.kind), persistent=False)
     out.register_buffer("scale", torch.cat([p.scale for p in parts]) if parts[0].scale is not None else None,
                         persistent=False)
     return out
