@@ -5,7 +5,8 @@
 
 Methods: our AR decoding, HF `generate` greedy, HF prompt-lookup decoding, our n-gram drafter, and our
 runtime with the trained draft (chain of k and tree). All greedy, so every output should equal our AR
-output; the table says where it does not. Then the target verify-cost curve: the time of one forward
+output; the table says where it does not. The methods take turns prompt by prompt, so a machine whose speed
+drifts during the run slows them alike. Then the target verify-cost curve: the time of one forward
 of n tokens appended to a cached prefix. Speculation pays when tau exceeds the cost of verifying
 k+1 tokens relative to 1 (plus drafting), so that curve is what any tau has to beat.
 """
@@ -112,25 +113,39 @@ def hf_method(model: Any, device: str, **gen_kw: Any) -> Callable[[list[int], in
     return run
 
 
-def time_method(run: Callable, prompts: list[list[int]], max_new: int, device: str, desc: str,
-                progress: bool) -> dict:
-    run(prompts[0], min(8, max_new))  # warm-up, untimed
-    outputs, forwards, wall = [], 0, 0.0
-    counted = True
-    for p in tqdm(prompts, desc=desc, unit="prompt", disable=not progress, leave=False, dynamic_ncols=True):
-        _sync(device)
-        t0 = time.perf_counter()
-        toks, fw = run(p, max_new)
-        _sync(device)
-        wall += time.perf_counter() - t0
-        outputs.append(toks)
-        counted = counted and fw is not None
-        forwards += fw or 0
-    tokens = sum(len(o) for o in outputs)
-    verified = sum(max(0, len(o) - 1) for o in outputs)  # the first token of each comes from prefill
-    return {"generated_tokens": tokens, "time_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
-            "verify_rounds": forwards if counted else None,
-            "acceptance_length": verified / forwards if counted and forwards else None, "outputs": outputs}
+def time_methods(methods: dict[str, Callable], prompts: list[list[int]], max_new: int, device: str,
+                 progress: bool) -> dict[str, dict]:
+    """Every method on every prompt, the methods taking turns prompt by prompt (the order rotating), so a machine
+    whose speed drifts between minutes (shared VMs did, by up to 2x) slows every method alike: timed one method
+    after the other, the drift landed in the ratios between them."""
+    names = list(methods)
+    for name in names:
+        methods[name](prompts[0], min(8, max_new))  # warm-up, untimed
+    outputs: dict[str, list] = {n: [] for n in names}
+    forwards = dict.fromkeys(names, 0)
+    wall = dict.fromkeys(names, 0.0)
+    counted = dict.fromkeys(names, True)
+    for i, p in enumerate(tqdm(prompts, desc="methods taking turns", unit="prompt", disable=not progress,
+                               leave=False, dynamic_ncols=True)):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            _sync(device)
+            t0 = time.perf_counter()
+            toks, fw = methods[name](p, max_new)
+            _sync(device)
+            wall[name] += time.perf_counter() - t0
+            outputs[name].append(toks)
+            counted[name] = counted[name] and fw is not None
+            forwards[name] += fw or 0
+    rows = {}
+    for name in names:
+        tokens = sum(len(o) for o in outputs[name])
+        verified = sum(max(0, len(o) - 1) for o in outputs[name])  # the first token of each comes from prefill
+        ok, w = counted[name], wall[name]
+        rows[name] = {"generated_tokens": tokens, "time_s": w, "tokens_per_s": tokens / w if w > 0 else None,
+                      "verify_rounds": forwards[name] if ok else None,
+                      "acceptance_length": verified / forwards[name] if ok and forwards[name] else None,
+                      "outputs": outputs[name]}
+    return rows
 
 
 def _median_ms(calls: list[tuple[Callable[[], None], Callable[[], None]]], repeats: int, device: str
@@ -254,12 +269,9 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
             methods[f"draft block k={n} (ours)"] = runtime_method(
                 generator, SpecConfig(mode="block", **{**base, "num_draft_tokens": n}))
 
-    rows: dict[str, dict] = {}
-    for name, run in methods.items():
-        if isinstance(run, str):
-            rows[name] = {"skipped": run}
-            continue
-        rows[name] = time_method(run, prompts, cfg.max_new_tokens, device, name, cfg.progress)
+    timed = time_methods({n: r for n, r in methods.items() if not isinstance(r, str)}, prompts, cfg.max_new_tokens,
+                         device, cfg.progress)
+    rows = {n: timed[n] if n in timed else {"skipped": r} for n, r in methods.items()}
     ar = rows["ar (ours)"]
     hf = rows["hf generate greedy"]
     for name, r in rows.items():
@@ -286,7 +298,8 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
               "verify_cost_hf": hf_curve,
               "definitions": {
                   "tokens_per_s": "generated tokens / wall time of the per-prompt generate calls (prefill "
-                                  "included, one warm-up call excluded), batch size 1, greedy",
+                                  "included, one warm-up call excluded), batch size 1, greedy; the methods "
+                                  "take turns prompt by prompt",
                   "acceptance_length": "tokens from verify rounds (all but the prefill's first) / verify rounds "
                                        "(our runtime only; AR = 1)",
                   "outputs_equal_our_ar": "prompts whose output equals our AR output token for token",
