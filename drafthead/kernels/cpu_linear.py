@@ -187,7 +187,8 @@ def compress(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Te
 
 
 def pack_fp32(stored: torch.Tensor) -> torch.Tensor:
-    """Stored weight [N, K] from `compress` -> packed [ceil(N/8), K, 8], made once per weight."""
+    """Stored weight [N, K] from `compress` -> packed [ceil(N/8), K, 8] (blocks of 8 outputs, stored in groups of 3
+    blocks side by side per k; cpu_linear_avx2.cpp), made once per weight."""
     ext = _ext("fp32")
     if stored.dim() != 2 or stored.dtype not in (torch.float32, torch.int16, torch.int8):
         raise ValueError(f"pack_fp32 needs a [N, K] float32, int16 (bf16 bits) or int8 weight from compress(), "
@@ -207,7 +208,7 @@ def linear_fp32(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale:
 
 def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
                    ) -> torch.Tensor:
-    """Attention of generated tokens, each query on its own over the keys its mask allows (row-invariant: a
+    """Attention of generated tokens, each query over the keys its mask allows (row-invariant: a
     token's output does not depend on how many queries share the call or on the cache capacity), in fp32.
     q [B, h, T, D] (D a multiple of 8); k, v [B, kvh, S, D] (views of the cache), all fp32 or all bf16 (read
     exactly as fp32); mask [B, 1, T, S] bool. Returns fp32 [B, h, T, D]; bf16 callers round it once."""

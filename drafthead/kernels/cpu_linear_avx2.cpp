@@ -600,12 +600,13 @@ torch::Tensor silu_mul(torch::Tensor gu) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "weight [N, K] (float32, bf16 bits as int16, int8) -> packed [ceil(N/8), K, 8]");
+  m.def("pack", &pack, "weight [N, K] (float32, bf16 bits as int16, int8) -> packed [ceil(N/8), K, 8], blocks in "
+        "groups of 3 per k");
   m.def("linear", &linear, "float32 x [M, K] @ packed weight (* scale) (+ bias) -> [M, N]");
   m.def("rms_norm", &rms_norm, "x [..., H], weight [H], eps -> weight * x / rms(x), row by row, x's dtype");
   m.def("rope", &rope, "x [B, T, heads, D], cos, sin [B, T, D] or [B, 1, T, D] -> rotate-half RoPE, contiguous "
         "[B, T, heads, D]");
   m.def("silu_mul", &silu_mul, "[..., 2I] = [gate | up] -> silu(gate) * up [..., I]");
   m.def("attention", &attention, "float32 or bf16 q [B, H, T, D], k, v [B, KVH, S, D], bool mask [B, 1, T, S], "
-        "scale -> float32 [B, H, T, D], each query on its own over the keys its mask allows");
+        "scale -> float32 [B, H, T, D], each query over the keys its mask allows, row-invariant");
 }
