@@ -564,20 +564,24 @@ inline __m256 silu8(__m256 g) {
 
 template <typename E>
 void silu_mul_impl(const E* G, E* Y, int64_t M, int64_t I) {
-  alignas(32) float tail[8];
-  for (int64_t m = 0; m < M; ++m) {
-    const E* g = G + m * 2 * I;
-    const E* u = g + I;
-    E* y = Y + m * I;
-    int64_t i = 0;
-    for (; i + 8 <= I; i += 8)  // silu(g) rounded, times up rounded: torch's two ops
-      store8(y + i, round8<E>(_mm256_mul_ps(round8<E>(silu8(load8(g + i))), load8(u + i))));
-    if (i < I) {  // the last I % 8: through a padded buffer, the same lane math
-      for (int j = 0; j < 8; ++j) tail[j] = i + j < I ? to_f(g[i + j]) : 0.0f;
-      _mm256_store_ps(tail, round8<E>(silu8(_mm256_load_ps(tail))));
-      for (int64_t j = 0; i + j < I; ++j) put(y + i + j, round_s<E>(tail[j] * to_f(u[i + j])));
+  // rows split over the threads once there are a few (elementwise: a row's bits do not depend on it); a lone row
+  // stays on one thread, where waking the other costs about what it would save
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(I, 1)), [&](int64_t m0, int64_t m1) {
+    alignas(32) float tail[8];
+    for (int64_t m = m0; m < m1; ++m) {
+      const E* g = G + m * 2 * I;
+      const E* u = g + I;
+      E* y = Y + m * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8)  // silu(g) rounded, times up rounded: torch's two ops
+        store8(y + i, round8<E>(_mm256_mul_ps(round8<E>(silu8(load8(g + i))), load8(u + i))));
+      if (i < I) {  // the last I % 8: through a padded buffer, the same lane math
+        for (int j = 0; j < 8; ++j) tail[j] = i + j < I ? to_f(g[i + j]) : 0.0f;
+        _mm256_store_ps(tail, round8<E>(silu8(_mm256_load_ps(tail))));
+        for (int64_t j = 0; i + j < I; ++j) put(y + i + j, round_s<E>(tail[j] * to_f(u[i + j])));
+      }
     }
-  }
+  });
 }
 
 // gu [..., 2I] = [gate | up] (the joined gate/up output) -> silu(gate) * up [..., I], gu's dtype.
