@@ -150,4 +150,5 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "bf16 weight [N, K] -> packed [ceil(N/16), K/2, 16, 2], blocks in groups of 4 per k-pair");
   m.def("linear", &linear, "bf16 x [M, K] @ packed weight (+ bias) -> [M, N]");
+  m.attr("GROUP") = kGroup;  // blocks side by side per k-pair: cpu_linear.concat regroups joined parts by it
 }

@@ -275,13 +275,12 @@ class PackedLinear(nn.Module):
 
 
 LANES = {"bf16": 16, "fp32": 8}  # outputs per packed block of each kernel
-GROUP = {"bf16": 4, "fp32": 3}  # blocks each kernel stores side by side per k (kGroup in its .cpp)
 
 
 def _ungroup(packed: torch.Tensor, kind: str) -> torch.Tensor:
     """A packed weight with its blocks one after the other ([NB, ...], each block's bytes together) instead of in
-    the kernel's groups of GROUP[kind] blocks side by side per k."""
-    g, per = GROUP[kind], packed[0].numel()
+    the kernel's groups of `GROUP` blocks side by side per k (the extension's kGroup)."""
+    g, per = _ext(kind).GROUP, packed[0].numel()
     flat, out = packed.reshape(-1), []
     for b0 in range(0, packed.shape[0], g):
         w = min(g, packed.shape[0] - b0)
@@ -291,7 +290,7 @@ def _ungroup(packed: torch.Tensor, kind: str) -> torch.Tensor:
 
 def _group(blocks: torch.Tensor, kind: str) -> torch.Tensor:
     """The inverse of `_ungroup`: blocks [NB, ...] -> the kernel's packed layout (same shape, group order)."""
-    g = GROUP[kind]
+    g = _ext(kind).GROUP
     parts = [blocks[b0: b0 + g].transpose(0, 1).reshape(-1) for b0 in range(0, blocks.shape[0], g)]
     return torch.cat(parts).view(blocks.shape)
 
