@@ -8,8 +8,8 @@
 //
 // Weights are packed once into blocks of 8 outputs: one 256-bit register holds w[n0..n0+7, k]. The blocks are
 // stored in groups of 3 side by side per k ([K, 3, 8] per group), so a tile reads one contiguous stream per
-// group, not one per block: 2-4 rows took 20-25% less time, 1 and 8 rows about the same (A/B of both builds in
-// one process, AVX512-BF16 EPYC, fp32 and bf16 storage); a lone row also prefetches its own stream. Three storage
+// group, not one per block: 2-4 rows took 17-25% less time with fp32 storage (7-27% with bf16), 8 rows about the
+// same (A/B of both builds in one process, AVX512-BF16 EPYC); a lone row also prefetches its own stream. Three storage
 // types, all accumulated in fp32 over k in order (one FMA per k, no horizontal sums):
 //   fp32 - the weights as they are;
 //   bf16 - the upper 16 bits of each fp32 weight (round-to-nearest-even done in Python), half the bytes;
