@@ -2,12 +2,16 @@
 
     python scripts/profile_step.py                                  # SmolLM2, the run's dtype, weights as loaded
     python scripts/profile_step.py dtype=float32 weights=int8 rows=[1,8] prefix=256 repeats=20 top=15
+    python scripts/profile_step.py fused=true                      # the layers as the runtime runs them
 
 Runs one forward of `rows` new tokens on a cached prefix under torch.profiler and groups the operators into
 phases: projections (the decode kernel or oneDNN), attention (the extension's or SDPA), norms, RoPE and
 elementwise math, KV writes and masks, and the rest of the wall time (Python and dispatch overhead). Prints the
 CPU class, the kernel, the bandwidth bound (`drafthead bench`'s) and milliseconds per phase, so the next thing
 to trim is the biggest row after the projections; `top=N` also lists the N operators with the most self time.
+The runtime runs a generated token's decoder layers in one call each (`cpu_linear.decode_layer`), where no phase
+inside a layer can be seen; by default this script runs them op by op with the same kernels and ops (the same
+bits) so the phases show, and `fused=true` times them as the runtime does, as one "decoder layers" phase.
 The labels the extension's calls get cost a few microseconds each under the profiler: wall times here run
 above `drafthead bench`'s, which times forwards without it.
 """
@@ -28,7 +32,7 @@ from drafthead.target import load_target
 from eval.bench import bandwidth_bound
 
 DEFAULTS = dict(target="smollm2-135m-instruct", dtype="auto", weights=None, rows=[1, 8], prefix=256, repeats=20,
-                threads=None, top=0)  # top=N: also list the N operators with the most self time
+                threads=None, top=0, fused=False)  # top=N: also list the N operators with the most self time
 
 # operator name (substring) -> phase; the first match wins
 PHASES = [
@@ -42,7 +46,7 @@ PHASES = [
     ("aten::__or__", "kv writes, masks"), ("aten::__and__", "kv writes, masks"), ("aten::bitwise", "kv writes, masks"),
     ("aten::arange", "kv writes, masks"), ("aten::cat", "rope, elementwise"), ("aten::mul", "rope, elementwise"),
     ("aten::add", "rope, elementwise"), ("aten::neg", "rope, elementwise"), ("aten::silu", "rope, elementwise"),
-    ("aten::embedding", "embedding"),
+    ("aten::embedding", "embedding"), ("drafthead_decode_layer", "decoder layers (one call each)"),
 ]
 
 
@@ -68,10 +72,23 @@ def main(argv: list[str]) -> int:
         setattr(cpu_linear, name, labelled(getattr(cpu_linear, name), label))
     target = load_target(cfg.target, dtype=cfg.dtype)
     tm = TargetModel(target.model, weights=cfg.weights)
+    tm.fused = tm.fused and bool(cfg.fused)
+    if tm.fused:  # a pybind object's method cannot be wrapped in place: wrap the layers the runtime asks for
+        made = tm.fused_layer
+
+        class Labelled:
+            def __init__(self, step) -> None:
+                self.step = step
+
+            def forward(self, *args):
+                with torch.profiler.record_function("drafthead_decode_layer"):
+                    return self.step.forward(*args)
+
+        tm.fused_layer = lambda i, layer: (lambda s: Labelled(s) if s is not None else None)(made(i, layer))
     bound = bandwidth_bound(tm, "cpu")
     print(f"CPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()}), {torch.get_num_threads()} "
           f"threads, {str(tm.dtype).removeprefix('torch.')}, kernel {tm.kernel or 'none (oneDNN)'}, weights "
-          f"{tm.weights}: {bound['weight_bytes'] / 1e6:.0f} MB a token at {bound['read_gb_per_s']:.1f} GB/s -> "
+          f"{tm.weights}, layers {'one call each' if tm.fused else 'op by op'}: {bound['weight_bytes'] / 1e6:.0f} MB a token at {bound['read_gb_per_s']:.1f} GB/s -> "
           f"bound {bound['bound_ms']:.1f} ms")
     prefix = torch.randint(100, 20000, (1, int(cfg.prefix)), generator=torch.Generator().manual_seed(0))
     cache = tm.new_cache(1, int(cfg.prefix) + max(cfg.rows))

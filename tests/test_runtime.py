@@ -383,6 +383,70 @@ def test_joined_decode_groups_give_the_bits_of_separate_projections(arch: str, d
     assert apart.packed(a.q_proj, a.k_proj, a.v_proj) is None and apart.streamed_bytes() == joined.streamed_bytes()
 
 
+@pytest.mark.parametrize("arch,dtype,weights", [("llama", torch.float32, None), ("qwen2", torch.float32, "int8"),
+                                                 ("qwen3", torch.float32, "bf16"), ("llama", torch.bfloat16, None),
+                                                 ("qwen2", torch.bfloat16, None), ("qwen3", torch.bfloat16, None)])
+def test_one_call_layers_give_the_bits_of_op_by_op_layers(arch: str, dtype: torch.dtype, weights: str | None) -> None:
+    """Generated tokens run each decoder layer in one call (`cpu_linear.decode_layer`): logits, captured features
+    and the KV cache equal those of the op-by-op layer, bit for bit, for a lone token, a causal block and a tree
+    block, with two requests at different lengths (Qwen2: q/k/v biases; Qwen3: q/k norms)."""
+    kind = cpu_linear.kind_for(dtype)
+    if not (cpu_linear.available(kind) and cpu_linear.available("fp32")):
+        pytest.skip(f"CPU kernels unavailable: {cpu_linear.unavailable_reason(kind) or cpu_linear.unavailable_reason('fp32')}")
+    target = tiny_target(arch, dtype=dtype, seed=4, head_dim=16, num_attention_heads=6, num_key_value_heads=2,
+                         hidden_size=48, intermediate_size=96)
+    g = torch.Generator().manual_seed(2)
+    prompt, new = torch.randint(3, 128, (2, 9), generator=g), torch.randint(3, 128, (2, 4), generator=g)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2])
+
+    def steps(tm: TargetModel) -> list[torch.Tensor]:
+        cache, lens = tm.new_cache(2, 24), torch.tensor([9, 6])  # the second request's prompt is shorter
+        tm.forward(cache, prompt, torch.zeros(2, dtype=torch.long), prefill=True)
+        out = [tm.forward(cache, new[:, :1], lens, capture=True)[0]]
+        lens = lens + 1
+        logits, aux = tm.forward(cache, new, lens, capture=True)
+        out += [logits, aux]
+        lens = lens + 4
+        out.append(tm.forward(cache, new, lens, tree_mask=tree.expand(2, 4, 4), depth=depth.expand(2, 4))[0])
+        return out + [cache]
+
+    fused = TargetModel(target.model, aux_layer_ids=[0, 1], weights=weights)
+    assert fused.fused
+    got = steps(fused)
+    assert all(fused._fused[i] is not None for i in range(fused.num_layers))
+    apart = TargetModel(target.model, aux_layer_ids=[0, 1], weights=weights)
+    apart.fused = False
+    want = steps(apart)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_one_call_layer_bad_inputs_are_named_errors() -> None:
+    if not cpu_linear.available("fp32"):
+        pytest.skip(f"fp32 CPU kernel unavailable: {cpu_linear.unavailable_reason('fp32')}")
+    tm = TargetModel(tiny_target("llama", dtype=torch.float32, head_dim=16, num_attention_heads=2).model)
+    step = tm.fused_layer(0, tm.layers[0])
+    cache, h = tm.new_cache(1, 8), torch.zeros(1, 1, 32)
+    cos = sin = torch.zeros(1, 1, 16)
+    mask, slots = torch.ones(1, 1, 1, 8, dtype=torch.bool), torch.tensor([[3]])
+    assert step.forward(h, cos, sin, cache, slots, mask).shape == (1, 1, 32)
+    with pytest.raises(RuntimeError, match="slot 8 is outside the cache"):
+        step.forward(h, cos, sin, cache, torch.tensor([[8]]), mask)
+    with pytest.raises(RuntimeError, match="h must be"):
+        step.forward(h.double(), cos, sin, cache, slots, mask)
+    with pytest.raises(RuntimeError, match="mask must be a bool"):
+        step.forward(h, cos, sin, cache, slots, mask[..., :7])
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        step.forward(h, cos[..., :8], sin[..., :8], cache, slots, mask)
+    a = tm.layers[0].self_attn
+    with pytest.raises(RuntimeError, match="do not make one layer"):  # o where q/k/v belongs
+        cpu_linear.decode_layer(0, a, tm.layers[0].mlp, tm.layers[0].input_layernorm,
+                                tm.layers[0].post_attention_layernorm, tm.packed(a.o_proj), tm.packed(a.o_proj),
+                                tm.packed(tm.layers[0].mlp.gate_proj, tm.layers[0].mlp.up_proj),
+                                tm.packed(tm.layers[0].mlp.down_proj))
+
+
 def test_compressed_weights_need_the_fp32_kernel() -> None:
     with pytest.raises(ValueError, match="weights=int8 needs an fp32 target .*bfloat16"):
         TargetModel(tiny_target("llama", dtype=torch.bfloat16).model, weights="int8")

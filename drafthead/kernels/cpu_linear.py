@@ -1,6 +1,7 @@
 """Row-invariant projections for CPU decoding, compiled on first use: `cpu_linear.cpp` (bf16, AVX512-BF16) and
 `cpu_linear_avx2.cpp` (fp32 activations on AVX2/FMA, with fp32, bf16 or int8 weights; also the attention,
-RMSNorm, RoPE and SiLU-and-multiply of generated fp32 and bf16 tokens, one call each).
+RMSNorm, RoPE and SiLU-and-multiply of generated fp32 and bf16 tokens, one call each, and `decode_layer`, a whole
+decoder layer of generated tokens in one call).
 
 Why: a decode step or a verify block multiplies 1-16 rows by every weight of the target, so its cost is the
 time to stream the weights once. oneDNN does not reach that at these row counts: its bf16 matmul ran at
@@ -234,6 +235,31 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of generated tokens in one call, from the joined gate/up output [..., 2I] -> [..., I]."""
     return _ext("fp32").silu_mul(gate_up)
+
+
+def decode_layer(index: int, attn: nn.Module, mlp: nn.Module, in_norm: nn.Module, post_norm: nn.Module,
+                 qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear):
+    """A generated token's whole Llama / Qwen2 / Qwen3 decoder layer in one call (`cpu_linear_avx2.cpp`,
+    DecodeLayer): `.forward(h [B, T, H], cos, sin, cache, slots [B, T], mask [B, 1, T, S])` -> [B, T, H], writing
+    the tokens' K/V at their slots of layer `index`. The same bits as running the layer op by op with this module's
+    kernels and small ops (TargetModel.block); what it saves is the Python and dispatch between them.
+    qkv and gate_up are the joined packed projections (`concat`); norms are HF RMSNorms (`weight`,
+    `variance_epsilon`); attn carries the head counts and `scaling`, Qwen3 also `q_norm` / `k_norm`."""
+    ext = _ext("fp32")
+    cap = _ext("bf16").LINEAR if qkv.kind == "bf16" else None
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    heads = attn.q_proj.out_features // attn.head_dim
+    kv_heads = attn.k_proj.out_features // attn.head_dim
+
+    def proj(p: PackedLinear) -> tuple:
+        return p.packed, p.out_features, p.scale, p.bias
+
+    return ext.DecodeLayer(index, heads, kv_heads, attn.head_dim, float(attn.scaling), in_norm.weight.detach(),
+                           float(in_norm.variance_epsilon), post_norm.weight.detach(),
+                           float(post_norm.variance_epsilon), qn.weight.detach() if qn is not None else None,
+                           kn.weight.detach() if kn is not None else None,
+                           float(qn.variance_epsilon) if qn is not None else 0.0, proj(qkv), proj(o), proj(gate_up),
+                           proj(down), cap)
 
 
 def packed_bytes(module: nn.Module) -> int:

@@ -23,6 +23,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -346,34 +349,19 @@ void attend_tile(const float* qf, int64_t D, const E* kb, int64_t ks, const E* v
   }
 }
 
-// q [B, H, T, D]; k, v [B, KVH, S, D] (any strides but the last); mask [B, 1, T, S] bool -> fp32 [B, H, T, D].
-// E: float (fp32 tokens) or uint16_t (bf16 bits: bf16 tokens, widened exactly; the math is fp32 either way).
+// Where a tensor's rows are: element (i0, i1, i2, d) at base + i0 * s0 + i1 * s1 + i2 * s2 + d (rows contiguous).
+struct Rows { int64_t s0, s1, s2; };
+
+// q [B, H, T, D] (rows at Q, strides qs over b, h, t); k, v [B, KVH, S, D]; mask [B, T, S] bool, contiguous;
+// -> fp32 o [B, H, T, D] (rows at O, strides os over b, h, t). E: float (fp32 tokens) or uint16_t (bf16 bits:
+// bf16 tokens, widened exactly; the math is fp32 either way).
 template <typename E>
-torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attention: 4-d q, k, v, mask");
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t KVH = k.size(1), S = k.size(2);
-  TORCH_CHECK(D % 8 == 0, "attention: head_dim must be a multiple of 8, got ", D);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == D && v.sizes() == k.sizes() && H % KVH == 0,
-              "attention: k and v must be [B, KVH, S, D] with KVH dividing q's heads");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attention: k and v rows must be contiguous");
-  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(2) == T && mask.size(3) == S,
-              "attention: mask must be a bool [B, 1, T, S]");
-  q = q.contiguous();
-  mask = mask.contiguous();
-  auto o = torch::empty(q.sizes(), q.options().dtype(at::kFloat));
-  const E* Q = static_cast<const E*>(q.data_ptr());
-  const E* Kp = static_cast<const E*>(k.data_ptr());
-  const E* Vp = static_cast<const E*>(v.data_ptr());
-  const bool* Mp = mask.data_ptr<bool>();
-  float* O = o.data_ptr<float>();
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
-  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
+void attention_core(const E* Q, Rows qs, const E* Kp, Rows kst, const E* Vp, Rows vst, const bool* Mp, int64_t B,
+                    int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc, float* O, Rows os) {
   const int64_t group = H / KVH;
   // work items: (b, t, KV head, tile of up to kQ of the heads sharing it). A lone SmolLM2 step has only 3 such
   // items for 2 threads and still takes less time than 9 one-query items (7.3 against ~14 us, AVX512-BF16).
   const int64_t tiles = (group + kQ - 1) / kQ;
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, B * T * KVH * tiles, 1, [&](int64_t i0, int64_t i1) {
     const int64_t ps = S + 8;  // one query's score row (+ the padding of its last chunk of 8)
     std::vector<float> score(kQ * ps), qf(kQ * D);
@@ -391,24 +379,46 @@ torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, 
       }
       float* og[kQ];
       for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = ((b * H + h0 + g) * T + t) * D;
-        og[g] = O + row;
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(qf.data() + g * D + d, load8(Q + row + d));
+        const E* qr = Q + b * qs.s0 + (h0 + g) * qs.s1 + t * qs.s2;
+        og[g] = O + b * os.s0 + (h0 + g) * os.s1 + t * os.s2;
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(qf.data() + g * D + d, load8(qr + d));
       }
       if (n == 0) {  // a query that sees no key (never in the runtime): zeros, as masked-out rows
         for (int64_t g = 0; g < G; ++g)
           for (int64_t d = 0; d < D; ++d) og[g][d] = 0.0f;
         continue;
       }
-      const E* kb = Kp + b * ks0 + kh * ks1;
-      const E* vb = Vp + b * vs0 + kh * vs1;
+      const E* kb = Kp + b * kst.s0 + kh * kst.s1;
+      const E* vb = Vp + b * vst.s0 + kh * vst.s1;
       switch (G) {
-        case 3: attend_tile<3>(qf.data(), D, kb, ks2, vb, vs2, key.data(), n, sc, score.data(), ps, og); break;
-        case 2: attend_tile<2>(qf.data(), D, kb, ks2, vb, vs2, key.data(), n, sc, score.data(), ps, og); break;
-        default: attend_tile<1>(qf.data(), D, kb, ks2, vb, vs2, key.data(), n, sc, score.data(), ps, og); break;
+        case 3: attend_tile<3>(qf.data(), D, kb, kst.s2, vb, vst.s2, key.data(), n, sc, score.data(), ps, og); break;
+        case 2: attend_tile<2>(qf.data(), D, kb, kst.s2, vb, vst.s2, key.data(), n, sc, score.data(), ps, og); break;
+        default: attend_tile<1>(qf.data(), D, kb, kst.s2, vb, vst.s2, key.data(), n, sc, score.data(), ps, og); break;
       }
     }
   });
+}
+
+// q [B, H, T, D]; k, v [B, KVH, S, D] (any strides but the last); mask [B, 1, T, S] bool -> fp32 [B, H, T, D].
+template <typename E>
+torch::Tensor attention_impl(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attention: 4-d q, k, v, mask");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t KVH = k.size(1), S = k.size(2);
+  TORCH_CHECK(D % 8 == 0, "attention: head_dim must be a multiple of 8, got ", D);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == D && v.sizes() == k.sizes() && H % KVH == 0,
+              "attention: k and v must be [B, KVH, S, D] with KVH dividing q's heads");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attention: k and v rows must be contiguous");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.size(0) == B && mask.size(2) == T && mask.size(3) == S,
+              "attention: mask must be a bool [B, 1, T, S]");
+  q = q.contiguous();
+  mask = mask.contiguous();
+  auto o = torch::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const Rows rows_q{H * T * D, T * D, D};  // q and o: contiguous [B, H, T, D]
+  attention_core<E>(static_cast<const E*>(q.data_ptr()), rows_q, static_cast<const E*>(k.data_ptr()),
+                    Rows{k.stride(0), k.stride(1), k.stride(2)}, static_cast<const E*>(v.data_ptr()),
+                    Rows{v.stride(0), v.stride(1), v.stride(2)}, mask.data_ptr<bool>(), B, H, T, D, KVH, S,
+                    static_cast<float>(scale), o.data_ptr<float>(), rows_q);
   return o;
 }
 
@@ -602,6 +612,215 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return y;
 }
 
+// ---- a generated token's whole decoder layer in one call --------------------------------------------------
+// Why: between the kernels, a SmolLM2 decode step spent ~3.7 ms of its ~13 ms (bf16, AVX512-BF16 EPYC; measured
+// with the projections' outputs replayed from memory) in Python and torch dispatch: views, splits, transposes,
+// KV slice writes, dtype casts and residual adds, ~25 torch calls a layer. Here one call runs a Llama / Qwen2 /
+// Qwen3 layer for generated tokens: RMSNorm, the joined q/k/v projection, (q/k norms,) RoPE written straight into
+// the KV cache, attention, o, the residual, RMSNorm, the joined gate/up, SiLU-and-multiply, down, the residual.
+// It calls the same functions in the same order as the per-op path (TargetModel.block with these ops), so a
+// token gets the same bits either way; bf16 projections run the AVX512-BF16 extension's kernel, reached
+// through the function pointer that extension exports (capsule "drafthead.bf16_linear").
+
+using Bf16Linear = void (*)(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, const float*,
+                            at::BFloat16*, int64_t);
+using ProjArgs = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+
+struct Proj {  // a packed projection: packed weight, outputs, scale (int8 storage only), fp32 bias or undefined
+  torch::Tensor packed, scale, bias;
+  int64_t N = 0, K = 0;
+};
+
+Proj make_proj(const ProjArgs& a, const char* name) {
+  Proj p;
+  p.packed = std::get<0>(a);
+  p.N = std::get<1>(a);
+  TORCH_CHECK(p.packed.dim() == 3 || p.packed.dim() == 4, "DecodeLayer: ", name, " is not a packed weight");
+  p.K = p.packed.dim() == 3 ? p.packed.size(1) : p.packed.size(1) * 2;
+  TORCH_CHECK(p.N > 0 && p.N <= p.packed.size(0) * p.packed.size(2), "DecodeLayer: ", name, " has N = ", p.N,
+              ", more than its packed weight holds");
+  if (std::get<2>(a).has_value() && std::get<2>(a)->defined()) p.scale = std::get<2>(a)->to(at::kFloat).contiguous();
+  if (std::get<3>(a).has_value() && std::get<3>(a)->defined()) p.bias = std::get<3>(a)->to(at::kFloat).contiguous();
+  TORCH_CHECK(!p.bias.defined() || p.bias.numel() == p.N, "DecodeLayer: ", name, "'s bias has ", p.bias.numel(),
+              " elements, expected ", p.N);
+  TORCH_CHECK(p.scale.defined() == (p.packed.scalar_type() == at::kChar), "DecodeLayer: ", name,
+              ": int8 weights need a per-output scale, others none");
+  return p;
+}
+
+template <typename E>
+void add_rows(const E* a, const E* b, E* y, int64_t n) {  // y = a + b rounded to E, as torch's add
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(y + i, round8<E>(_mm256_add_ps(load8(a + i), load8(b + i))));
+  for (; i < n; ++i) put(y + i, round_s<E>(to_f(a[i]) + to_f(b[i])));
+}
+
+class DecodeLayer {
+ public:
+  DecodeLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, torch::Tensor in_norm,
+              double in_eps, torch::Tensor post_norm, double post_eps, c10::optional<torch::Tensor> q_norm,
+              c10::optional<torch::Tensor> k_norm, double qk_eps, ProjArgs qkv, ProjArgs o, ProjArgs gate_up,
+              ProjArgs down, py::object bf16_linear)
+      : layer_(layer), H_(heads), KVH_(kv_heads), D_(head_dim), scale_(static_cast<float>(scaling)),
+        in_eps_(static_cast<float>(in_eps)), post_eps_(static_cast<float>(post_eps)),
+        qk_eps_(static_cast<float>(qk_eps)), in_norm_(in_norm.contiguous()), post_norm_(post_norm.contiguous()),
+        qkv_(make_proj(qkv, "qkv")), o_(make_proj(o, "o")), gate_up_(make_proj(gate_up, "gate_up")),
+        down_(make_proj(down, "down")) {
+    dtype_ = in_norm_.scalar_type();
+    TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "DecodeLayer: float32 or bfloat16 layers only");
+    TORCH_CHECK(post_norm_.scalar_type() == dtype_, "DecodeLayer: the norms must share the layer's dtype");
+    TORCH_CHECK(D_ % 8 == 0 && H_ % KVH_ == 0, "DecodeLayer: head_dim a multiple of 8, kv heads dividing heads");
+    hidden_ = in_norm_.numel();
+    TORCH_CHECK(qkv_.N == (H_ + 2 * KVH_) * D_ && qkv_.K == hidden_ && o_.N == hidden_ && o_.K == H_ * D_ &&
+                gate_up_.K == hidden_ && gate_up_.N % 2 == 0 && down_.K == gate_up_.N / 2 && down_.N == hidden_,
+                "DecodeLayer: the projections' shapes do not make one layer");
+    if (q_norm.has_value() && q_norm->defined()) {
+      TORCH_CHECK(k_norm.has_value() && k_norm->defined(), "DecodeLayer: q_norm without k_norm");
+      q_norm_ = q_norm->contiguous();
+      k_norm_ = k_norm->contiguous();
+      TORCH_CHECK(q_norm_.numel() == D_ && k_norm_.numel() == D_ && q_norm_.scalar_type() == dtype_ &&
+                  k_norm_.scalar_type() == dtype_, "DecodeLayer: q/k norms must be [head_dim] of the layer's dtype");
+    }
+    const bool bf16 = dtype_ == at::kBFloat16;
+    for (const Proj* p : {&qkv_, &o_, &gate_up_, &down_})
+      TORCH_CHECK(bf16 ? p->packed.dim() == 4 && p->packed.scalar_type() == at::kBFloat16 : p->packed.dim() == 3,
+                  "DecodeLayer: a ", bf16 ? "bf16" : "float32", " layer needs weights packed by its dtype's kernel");
+    if (bf16) {
+      TORCH_CHECK(!bf16_linear.is_none(), "DecodeLayer: bf16 layers need the bf16 extension's LINEAR capsule");
+      auto cap = bf16_linear.cast<py::capsule>();
+      TORCH_CHECK(cap.name() != nullptr && std::string(cap.name()) == "drafthead.bf16_linear",
+                  "DecodeLayer: the capsule is not drafthead.bf16_linear");
+      bf16_ = reinterpret_cast<Bf16Linear>(cap.get_pointer());
+    }
+  }
+
+  // h [B, T, hidden] -> the layer's output [B, T, hidden]; writes the tokens' K/V at slots [B, T] of cache
+  // [B, C, S, D] (this layer's keys are channels 2 * layer * kv_heads.., its values the next kv_heads).
+  // cos, sin [B, T, D] (or [B, 1, T, D]); mask [B, 1, T, S] bool.
+  torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache,
+                        torch::Tensor slots, torch::Tensor mask) {
+    TORCH_CHECK(h.dim() == 3 && h.size(2) == hidden_ && h.scalar_type() == dtype_,
+                "DecodeLayer: h must be [B, T, ", hidden_, "] of the layer's dtype");
+    const int64_t B = h.size(0), T = h.size(1);
+    if (cos.dim() == 4 && cos.size(1) == 1) cos = cos.squeeze(1);
+    if (sin.dim() == 4 && sin.size(1) == 1) sin = sin.squeeze(1);
+    TORCH_CHECK(cos.dim() == 3 && cos.size(0) == B && cos.size(1) == T && cos.size(2) == D_ &&
+                sin.sizes() == cos.sizes() && cos.scalar_type() == dtype_ && sin.scalar_type() == dtype_,
+                "DecodeLayer: cos and sin must be [B, T, head_dim] of the layer's dtype");
+    TORCH_CHECK(cache.dim() == 4 && cache.size(0) == B && cache.size(1) >= 2 * (layer_ + 1) * KVH_ &&
+                cache.size(3) == D_ && cache.scalar_type() == dtype_ && cache.is_contiguous(),
+                "DecodeLayer: cache must be a contiguous [B, L * 2 * kv_heads, S, head_dim] of the layer's dtype");
+    const int64_t S = cache.size(2);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && slots.size(0) == B && slots.size(1) == T,
+                "DecodeLayer: slots must be int64 [B, T]");
+    TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 4 && mask.size(0) == B && mask.size(1) == 1 &&
+                mask.size(2) == T && mask.size(3) == S, "DecodeLayer: mask must be a bool [B, 1, T, S]");
+    h = h.contiguous();
+    cos = cos.contiguous();
+    sin = sin.contiguous();
+    slots = slots.contiguous();
+    mask = mask.contiguous();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * T; ++i)
+      TORCH_CHECK(sl[i] >= 0 && sl[i] < S, "DecodeLayer: slot ", sl[i], " is outside the cache (capacity ", S, ")");
+    if (dtype_ == at::kFloat) return step<float>(h, cos, sin, cache, sl, mask);
+    return step<uint16_t>(h, cos, sin, cache, sl, mask);
+  }
+
+ private:
+  template <typename E>
+  static E* ptr(torch::Tensor& t) { return static_cast<E*>(t.data_ptr()); }
+
+  template <typename E>
+  void project(const Proj& p, const E* x, int64_t M, E* y) const {
+    const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+    const int64_t NB = p.packed.size(0);
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      bf16_(reinterpret_cast<const at::BFloat16*>(x), M, p.K, static_cast<const at::BFloat16*>(p.packed.data_ptr()),
+            NB, bias, reinterpret_cast<at::BFloat16*>(y), p.N);
+    } else {
+      const float* sc = p.scale.defined() ? p.scale.data_ptr<float>() : nullptr;
+      const auto t = p.packed.scalar_type();
+      if (t == at::kFloat)
+        run<float>(x, M, p.K, p.packed.data_ptr<float>(), NB, sc, bias, y, p.N);
+      else if (t == at::kShort)
+        run<uint16_t>(x, M, p.K, static_cast<const uint16_t*>(p.packed.data_ptr()), NB, sc, bias, y, p.N);
+      else
+        run<int8_t>(x, M, p.K, p.packed.data_ptr<int8_t>(), NB, sc, bias, y, p.N);
+    }
+  }
+
+  template <typename E>
+  torch::Tensor step(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache, const int64_t* sl,
+                     torch::Tensor mask) {
+    const int64_t B = h.size(0), T = h.size(1), M = B * T, Hd = hidden_, D = D_;
+    const int64_t Dq = H_ * D, Dk = KVH_ * D, Nqkv = qkv_.N, I = gate_up_.N / 2;
+    const int64_t C = cache.size(1), S = cache.size(2);
+    const auto opts = h.options();
+    auto x = torch::empty({M, Hd}, opts);
+    auto qkv = torch::empty({M, Nqkv}, opts);
+    auto q = torch::empty({M, H_, D}, opts);  // [B, T, h, D] after RoPE
+    const E* hp = ptr<E>(h);
+    rms_norm_impl<E>(hp, ptr<E>(in_norm_), ptr<E>(x), M, Hd, in_eps_);
+    project<E>(qkv_, ptr<E>(x), M, ptr<E>(qkv));
+    E* QKV = ptr<E>(qkv);
+    if (q_norm_.defined())  // Qwen3: per-head RMSNorm before RoPE, in place (each element read before written)
+      for (int64_t m = 0; m < M; ++m) {
+        E* row = QKV + m * Nqkv;
+        rms_norm_impl<E>(row, ptr<E>(q_norm_), row, H_, D, qk_eps_);
+        rms_norm_impl<E>(row + Dq, ptr<E>(k_norm_), row + Dq, KVH_, D, qk_eps_);
+      }
+    E* Kc = ptr<E>(cache) + 2 * layer_ * KVH_ * S * D;  // [B, kvh, S, D] at channel stride S * D
+    E* Vc = Kc + KVH_ * S * D;
+    const E* cp = ptr<E>(cos);
+    const E* sp = ptr<E>(sin);
+    E* Q = ptr<E>(q);
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t b = m / T, slot = sl[m];
+      const E* row = QKV + m * Nqkv;
+      const E* c = cp + m * D;
+      const E* s = sp + m * D;
+      for (int64_t n = 0; n < H_; ++n) rope_row<E>(row + n * D, c, s, Q + (m * H_ + n) * D, D);
+      for (int64_t n = 0; n < KVH_; ++n) {
+        const int64_t at = ((b * C) + n) * S * D + slot * D;  // channel n of this layer's keys / values
+        rope_row<E>(row + Dq + n * D, c, s, Kc + at, D);
+        std::memcpy(Vc + at, row + Dq + Dk + n * D, D * sizeof(E));
+      }
+    }
+    auto o32 = torch::empty({M, H_, D}, opts.dtype(at::kFloat));
+    const Rows rows_q{T * H_ * D, D, H_ * D};  // q and o: [B, T, h, D], read as [B, h, T, D]
+    const Rows rows_kv{C * S * D, S * D, D};
+    attention_core<E>(Q, rows_q, Kc, rows_kv, Vc, rows_kv, mask.data_ptr<bool>(), B, H_, T, D, KVH_, S, scale_,
+                      o32.data_ptr<float>(), rows_q);
+    torch::Tensor a = o32;  // attention's fp32 output, rounded once to the dtype
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      a = torch::empty({M, Dq}, opts);
+      const float* op = o32.data_ptr<float>();
+      E* ap = ptr<E>(a);
+      for (int64_t i = 0; i < M * Dq; i += 8) store8(ap + i, round8<E>(_mm256_loadu_ps(op + i)));  // Dq % 8 == 0
+    }
+    auto y = torch::empty({M, Hd}, opts);
+    project<E>(o_, ptr<E>(a), M, ptr<E>(y));
+    auto h1 = torch::empty({M, Hd}, opts);
+    add_rows<E>(hp, ptr<E>(y), ptr<E>(h1), M * Hd);
+    rms_norm_impl<E>(ptr<E>(h1), ptr<E>(post_norm_), ptr<E>(x), M, Hd, post_eps_);
+    auto gu = torch::empty({M, 2 * I}, opts);
+    project<E>(gate_up_, ptr<E>(x), M, ptr<E>(gu));
+    auto act = torch::empty({M, I}, opts);
+    silu_mul_impl<E>(ptr<E>(gu), ptr<E>(act), M, I);
+    project<E>(down_, ptr<E>(act), M, ptr<E>(y));
+    add_rows<E>(ptr<E>(h1), ptr<E>(y), ptr<E>(h1), M * Hd);  // in place: elementwise
+    return h1.view({B, T, Hd});
+  }
+
+  int64_t layer_, H_, KVH_, D_, hidden_ = 0;
+  float scale_, in_eps_, post_eps_, qk_eps_;
+  torch::Tensor in_norm_, post_norm_, q_norm_, k_norm_;
+  Proj qkv_, o_, gate_up_, down_;
+  at::ScalarType dtype_;
+  Bf16Linear bf16_ = nullptr;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -615,4 +834,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "[..., 2I] = [gate | up] -> silu(gate) * up [..., I]");
   m.def("attention", &attention, "float32 or bf16 q [B, H, T, D], k, v [B, KVH, S, D], bool mask [B, 1, T, S], "
         "scale -> float32 [B, H, T, D], each query over the keys its mask allows, row-invariant");
+  py::class_<DecodeLayer>(m, "DecodeLayer", "a generated token's whole Llama / Qwen2 / Qwen3 decoder layer, one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double, torch::Tensor, double,
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, double, ProjArgs, ProjArgs, ProjArgs,
+                    ProjArgs, py::object>())
+      .def("forward", &DecodeLayer::forward, "h [B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]");
 }

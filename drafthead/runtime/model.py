@@ -79,6 +79,10 @@ class TargetModel:
         # fixed query count for attention (`attend`)
         self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
         self.silu = getattr(c, "hidden_act", None) == "silu"
+        # generated tokens' layers in one call each (`cpu_linear.decode_layer`: the same kernels and ops, the same
+        # bits, without the Python and dispatch between them); False runs them op by op (tests compare the two)
+        self.fused = self.decode_ops and self.silu
+        self._fused: dict[int, object] = {}  # layer index -> its DecodeLayer, or None where a group does not join
         # packed weights by decode group (`decode_groups`), or by one projection where a group does not join
         self._packed: dict[tuple[nn.Module, ...], cpu_linear.PackedLinear] = {}  # made on first decode use
         self.weights = weights or "fp32"
@@ -218,6 +222,8 @@ class TargetModel:
         B, T, _ = h.shape
         attn = layer.self_attn
         ops = self.decode_ops and not prefill  # generated tokens on CPU: the extension's one-call ops
+        if ops and self.fused and (step := self.fused_layer(i, layer)) is not None:
+            return step.forward(h, cos, sin, cache, slots, mask)
         x = rms_norm(layer.input_layernorm, h, ops)
         q, k, v = self.project((attn.q_proj, attn.k_proj, attn.v_proj), x, prefill)
         q = q.view(B, T, -1, self.head_dim)  # [B, T, h, D]
@@ -249,6 +255,17 @@ class TargetModel:
             gate, up = self.project((mlp.gate_proj, mlp.up_proj), x, prefill)  # [B, T, I] each
             act = mlp.act_fn(gate) * up
         return h + self.linear(mlp.down_proj, act, prefill)
+
+    def fused_layer(self, i: int, layer: nn.Module):
+        """Layer i's one-call decode step (`cpu_linear.decode_layer`), made on first use; None where q/k/v or gate/up
+        do not join into one packed weight (that layer then runs op by op)."""
+        if i not in self._fused:
+            a, m = layer.self_attn, layer.mlp
+            qkv, gate_up = self.packed(a.q_proj, a.k_proj, a.v_proj), self.packed(m.gate_proj, m.up_proj)
+            self._fused[i] = None if qkv is None or gate_up is None else cpu_linear.decode_layer(
+                i, a, m, layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed(a.o_proj), gate_up,
+                self.packed(m.down_proj))
+        return self._fused[i]
 
     def project(self, group: tuple[nn.Module, ...], x: torch.Tensor, prefill: bool = False) -> list[torch.Tensor]:
         """[proj(x) for proj in group]; generated tokens take one call of the group's joined packed weight."""
