@@ -345,3 +345,26 @@ def test_small_ops_bad_inputs_are_named_errors() -> None:
         cpu_linear.rope(torch.randn(1, 2, 3, 7), torch.randn(1, 2, 7), torch.randn(1, 2, 7))
     with pytest.raises(RuntimeError, match="input must be float32 or bfloat16"):
         cpu_linear.silu_mul(torch.randn(2, 8).double())
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_gives_torch_argmax_index(dtype: torch.dtype) -> None:
+    """The first largest value's index, as torch.argmax: ties, NaN (counts as the largest), all -inf, +inf, rows
+    whose length is not a multiple of the vector width, batched leading dims."""
+    g = torch.Generator().manual_seed(0)
+    for N in (1, 7, 8, 9, 100, 49152):
+        x = torch.randn(6, N, generator=g).to(dtype)
+        x[1] = x[1].round().clamp(max=1)  # many ties at the maximum
+        x[2, N // 2] = float("nan")
+        x[2, N - 1] = float("nan")
+        x[3] = float("-inf")
+        x[4, N - 1] = float("inf")
+        x[5] = 0.0
+        assert torch.equal(cpu_linear.argmax(x), x.argmax(-1)), N
+    x = torch.randn(2, 3, 1000, generator=g).to(dtype)
+    assert torch.equal(cpu_linear.argmax(x), x.argmax(-1))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cpu_linear.argmax(torch.zeros(3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="non-empty last dim"):
+        cpu_linear.argmax(torch.zeros(3, 0))

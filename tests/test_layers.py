@@ -67,3 +67,31 @@ def test_cached_attention_matches_expanded_sdpa_and_keeps_gradients(dtype):
     qg = q.float().requires_grad_()
     cached_attention(qg, k.float(), v.float(), mask).sum().backward()
     assert qg.grad is not None and qg.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_norm_and_rope_match_the_training_math(dtype):
+    """Outside autograd on CPU, RMSNorm and RoPE take one extension call each (a draft step): RoPE gives the bits
+    of the training formula; RMSNorm gives them in bf16 and agrees within fp32 rounding in fp32 (its sum of
+    squares runs in another order)."""
+    from drafthead.kernels import cpu_linear
+    from drafthead.layers import RMSNorm, apply_rope, rope_cos_sin
+
+    if not cpu_linear.available("fp32"):
+        pytest.skip(f"fp32 CPU kernel unavailable: {cpu_linear.unavailable_reason('fp32')}")
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    x = (torch.randn(5, 3, 96, generator=g) * 3).to(dtype)
+    q = torch.randn(2, 3, 4, 16, generator=g).to(dtype).transpose(1, 2)  # [B, h, T, D], a view as in a draft step
+    cos, sin = rope_cos_sin(torch.randint(0, 500, (2, 3), generator=g), 16, 10000.0)
+    want_norm, want_rope = norm(x), apply_rope(q, cos, sin)  # autograd on: the torch formulas
+    assert torch.is_grad_enabled() and want_norm.requires_grad
+    with torch.inference_mode():
+        got_norm, got_rope = norm(x), apply_rope(q, cos, sin)
+    assert torch.equal(got_rope, want_rope) and got_rope.shape == (2, 4, 3, 16)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got_norm, want_norm)
+    else:
+        torch.testing.assert_close(got_norm, want_norm, rtol=2e-6, atol=1e-6)

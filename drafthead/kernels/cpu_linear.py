@@ -237,6 +237,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _ext("fp32").silu_mul(gate_up)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first largest value over the last dim, as torch.argmax (a NaN counts as the largest):
+    x [..., N] float32 or bf16 on CPU -> int64 [...], one vector scan per row."""
+    return _ext("fp32").argmax(x)
+
+
 def decode_layer(index: int, attn: nn.Module, mlp: nn.Module, in_norm: nn.Module, post_norm: nn.Module,
                  qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear):
     """A generated token's whole Llama / Qwen2 / Qwen3 decoder layer in one call (`cpu_linear_avx2.cpp`,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.runtime.sampling import probs, sample
+from drafthead.runtime.sampling import greedy, probs, sample
 
 
 @dataclass
@@ -181,7 +181,7 @@ class DraftRunner:
                 d = sample(q, torch.rand(B, generator=gen, device=dev))
                 qs.append(self.full_probs(q))
             else:
-                d = logits.argmax(-1)  # [B]
+                d = greedy(logits)  # [B]
             drafts.append(d)
             if j == k - 1:
                 break
@@ -289,7 +289,7 @@ class ModuleChainRunner:
                 d = sample(q, torch.rand(B, generator=gen, device=dev))
                 qs.append(first.full_probs(q))
             else:
-                d = logits.argmax(-1)  # [B]
+                d = greedy(logits)  # [B]
             drafts.append(d)
             if j == k - 1:
                 break

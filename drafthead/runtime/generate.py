@@ -23,7 +23,7 @@ from drafthead.kernels import cpu_linear
 from drafthead.runtime import ops
 from drafthead.runtime.draft import Proposal, chain_proposal, merge_ngram, ngram_lookup
 from drafthead.runtime.model import TargetModel
-from drafthead.runtime.sampling import probs, sample
+from drafthead.runtime.sampling import greedy, probs, sample
 from drafthead.target import Target
 
 MODES = ("ar", "chain", "tree", "ngram", "block")
@@ -214,7 +214,7 @@ class _Session:
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Next token from target logits [B, V]: argmax, or a draw from the tempered / top-p distribution."""
         if self.spec.temperature == 0:
-            return logits.float().argmax(-1)  # exact widening, same index; CPU argmax over bf16 ran ~2.5x slower
+            return greedy(logits)
         p = probs(logits, self.spec.temperature, self.spec.top_p)
         return sample(p, torch.rand(p.shape[0], generator=self.gen, device=self.dev))
 
@@ -364,7 +364,7 @@ class _Session:
         # the chain ops assume every row has all N nodes; ragged rows (adaptive, n-gram) take the tree path
         uniform = prop.is_chain and bool((prop.num_nodes == N).all())
         if spec.temperature == 0:
-            argmax = logits.float().argmax(-1)  # [B, N] (as `pick`)
+            argmax = greedy(logits)  # [B, N] (as `pick`)
             if uniform:
                 accept_len, nxt = ops.greedy_verify_chain(prop.tokens[:, 1:], argmax)
                 return accept_len, chain_path(accept_len, N), nxt
