@@ -306,7 +306,23 @@ void attend_tile(const float* qf, int64_t D, const E* kb, int64_t ks, const E* v
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -INFINITY;
   int64_t j = 0;
+  // the key and value rows kAheadKeys keys on toward L1 (and the first ones before the loop): a decode step's cache
+  // rows come from memory (the weights streamed since evicted them), and the hardware prefetcher alone left the
+  // loads waiting. A SmolLM2 forward of 1 / 3 / 8 tokens took 0.9 / 1.2 / 0.9 ms less in bf16 and 0.9 / 1.9 / 0.4 ms
+  // less in fp32 (8 or 32 ahead gained less than 16; A/B of both builds in one process, AVX512-BF16 EPYC)
+  constexpr int64_t kAheadKeys = 16;
+  const int64_t lines = (D * static_cast<int64_t>(sizeof(E)) + 63) / 64;
+  for (int64_t u = 0; u < std::min(n, kAheadKeys); ++u)  // the first rows, before the loop's reach
+    for (int64_t l = 0; l < lines; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
+    }
   for (; j + 4 <= n; j += 4) {
+    for (int64_t u = j + kAheadKeys; u < std::min(n, j + kAheadKeys + 4); ++u)
+      for (int64_t l = 0; l < lines; ++l) {
+        _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
+      }
     __m128 s[G];
     dot4<G>(qf, D, kb, key + j, ks, s);
     for (int g = 0; g < G; ++g) {
