@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family
-from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin, shift,
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, project, rope_cos_sin, shift,
                               soft_cross_entropy, ttt_attention)
 from drafthead.vocab import target_to_draft
 
@@ -125,9 +125,10 @@ class Eagle3Attention(nn.Module):
     def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
         c = self.c
-        q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, h, T, D]
-        k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, D]
-        v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, h, T, D]
+        k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, D]
+        v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, kvh, T, D]
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 

@@ -85,7 +85,17 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def project(x: torch.Tensor, *projs: nn.Module) -> list[torch.Tensor]:
+    """[p(x) for p in projs]; packed CPU projections (a draft step, `with_packed_linears`) run as one joined kernel
+    call (`cpu_linear.joined`), each output with the bits of its own projection."""
+    fused = cpu_linear.joined(*projs) if len(projs) > 1 else None
+    if fused is None:
+        return [p(x) for p in projs]
+    return list(fused(x).split([p.out_features for p in projs], dim=-1))
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

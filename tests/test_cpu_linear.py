@@ -368,3 +368,27 @@ def test_argmax_gives_torch_argmax_index(dtype: torch.dtype) -> None:
         cpu_linear.argmax(torch.zeros(3, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="non-empty last dim"):
         cpu_linear.argmax(torch.zeros(3, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_project_joins_packed_draft_projections_with_their_own_bits(dtype: torch.dtype) -> None:
+    """`layers.project` runs packed projections (a draft step) as one joined kernel call, made once and kept: each
+    output equals its own projection's, bit for bit; plain nn.Linear layers (training) are called one by one."""
+    from drafthead.layers import project
+
+    kind = cpu_linear.kind_for(dtype)
+    if not cpu_linear.available(kind):
+        pytest.skip(f"{kind} CPU kernel unavailable: {cpu_linear.unavailable_reason(kind)}")
+    torch.manual_seed(0)
+    lins = [nn.Linear(64, n, bias=False).to(dtype) for n in (96, 32, 32)]
+    packed = [cpu_linear.PackedLinear(lin) for lin in lins]
+    x = torch.randn(3, 64).to(dtype)
+    with torch.no_grad():
+        got = project(x, *packed)
+        assert cpu_linear.joined(*packed) is cpu_linear.joined(*packed) is not None  # made once
+        assert all(torch.equal(g, p(x)) for g, p in zip(got, packed))
+        assert all(torch.equal(g, lin(x)) for g, lin in zip(project(x, *lins), lins))
+    assert cpu_linear.joined(*lins) is None
+    odd = cpu_linear.PackedLinear(nn.Linear(64, 20, bias=False).to(dtype))  # not whole blocks: no join
+    assert cpu_linear.joined(packed[0], odd) is None
+    assert all(torch.equal(g, p(x)) for g, p in zip(project(x, packed[0], odd), (packed[0], odd)))

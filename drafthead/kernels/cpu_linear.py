@@ -357,6 +357,19 @@ def concat(parts: list[PackedLinear]) -> PackedLinear:
     return out
 
 
+def joined(*parts: nn.Module) -> PackedLinear | None:
+    """The parts' one joined PackedLinear (`concat`), made on first use and kept on the first part; None unless
+    every part is a PackedLinear and they join. A draft step's q/k/v and gate/up then take one kernel call each
+    (SmolLM2's EAGLE3 draft: k and v were 192 outputs each, 12 blocks over 2 threads)."""
+    if not all(isinstance(p, PackedLinear) for p in parts):
+        return None
+    cache = parts[0].__dict__.setdefault("_joined", {})  # plain attribute: not a submodule, not in state dicts
+    key = tuple(id(p) for p in parts)
+    if key not in cache:
+        cache[key] = concat(list(parts)) if can_concat(list(parts)) else None
+    return cache[key]
+
+
 def with_packed_linears(module: nn.Module) -> nn.Module:
     """A copy of `module` (inference only) whose bf16 or fp32 CPU `nn.Linear` layers use the packed kernel of
     their dtype; the module itself when there is nothing to replace or the kernel is unavailable. Used for
