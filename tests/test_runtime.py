@@ -519,6 +519,26 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
         assert [r.tokens for r in gen32.generate(prompts, 24, spec)] == want, spec
 
 
+def test_prompts_take_onednn_on_amx_and_the_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts go through the decode kernels except on AMX CPUs (oneDNN's tiles): either way generated tokens take
+    the kernels and speculative output equals AR output; the two prompt paths agree up to bf16 rounding."""
+    if not (cpu_linear.available("bf16") and cpu_linear.available("fp32")):
+        pytest.skip(f"CPU kernels unavailable: {cpu_linear.unavailable_reason('bf16') or cpu_linear.unavailable_reason('fp32')}")
+    target = tiny_target("llama", dtype=torch.bfloat16, seed=4, head_scale=4.0)
+    prompts = random_prompts(3, 128, seed=5)
+    logits = {}
+    for cls in ("AVX512-BF16", "AMX"):
+        monkeypatch.setattr(hardware, "cpu_class", lambda cls=cls: cls)
+        gen = SpeculativeGenerator(target, random_drafter(target))
+        assert gen.model.prompt_kernel == (cls != "AMX")
+        want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+        assert [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="chain", num_draft_tokens=3))] == want
+        cache = gen.model.new_cache(1, 32)
+        logits[cls] = gen.model.forward(cache, torch.tensor([prompts[0]]), torch.zeros(1, dtype=torch.long),
+                                        prefill=True)[0].float()
+    torch.testing.assert_close(logits["AMX"], logits["AVX512-BF16"], atol=0.1, rtol=0.05)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 def test_oracle_chain_accepts_everything(k: int, llama: Target) -> None:
     gen = SpeculativeGenerator(llama, OracleDrafter(llama))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafthead import hardware
 from drafthead.kernels import cpu_linear
 from drafthead.layers import apply_rope
 from drafthead.target import base_model, check_layer_ids, decoder_layers
@@ -67,8 +68,8 @@ class TargetModel:
         self.dtype, self.device = p.dtype, p.device
         self.chunk_rows = self.dtype == torch.bfloat16 and self.device.type == "cpu"
         # On CPU, generated tokens (decode steps, verify blocks) go through the packed kernel of the dtype
-        # (bf16: AVX512-BF16; fp32: AVX2/FMA), prompts through oneDNN (faster at many rows); both are
-        # row-invariant, each on its own side.
+        # (bf16: AVX512-BF16; fp32: AVX2/FMA), and so do prompts except on AMX CPUs (`prompt_kernel`), where they
+        # go through oneDNN; both are row-invariant, each on its own side.
         dims = (c.hidden_size, c.intermediate_size, self.head_dim * c.num_attention_heads)
         kind = cpu_linear.kind_for(self.dtype) if self.device.type == "cpu" else None
         self.decode_kernel = bool(kind and (kind == "fp32" or all(d % 2 == 0 for d in dims))
@@ -78,6 +79,10 @@ class TargetModel:
         # (fp32 math for fp32 and bf16 tokens, one call each) where they run; else torch's, and SDPA calls of a
         # fixed query count for attention (`attend`)
         self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
+        # prompts through the decode kernels too, except on AMX CPUs, whose oneDNN tiles are built for many rows
+        # (not measured against the kernels there). On the AVX512-BF16 EPYC a 300-token SmolLM2 prompt took 155 ms
+        # against 470 ms through oneDNN in bf16, 430 against 700 ms in fp32.
+        self.prompt_kernel = self.decode_ops and hardware.cpu_class() != "AMX"
         self.silu = getattr(c, "hidden_act", None) == "silu"
         # generated tokens' layers in one call each (`cpu_linear.decode_layer`: the same kernels and ops, the same
         # bits, without the Python and dispatch between them); False runs them op by op (tests compare the two)
@@ -175,11 +180,13 @@ class TargetModel:
             logits_at: [B] index of the single new token per request whose logits are wanted; None = all.
             capture: also return the aux features (inputs of `aux_layer_ids`), or with `capture_last`
                 the last hidden states [B, T, H].
-            prefill: the tokens are a prompt. Only changes which bf16 CPU kernel runs (oneDNN for prompts, the
-                packed decode kernel for generated tokens); a token must always be fed the same way, so the
-                runtime passes True for prompts and False for every decode step and verify block.
+            prefill: the tokens are a prompt. Only changes which CPU kernels run where `prompt_kernel` is False
+                (oneDNN for prompts, the packed decode kernels for generated tokens); a token must always be fed
+                the same way, so the runtime passes True for prompts and False for every decode step and verify
+                block.
         Returns (logits [B, T or 1, V], aux [B, T, len(aux)*H] or None).
         """
+        prefill = prefill and not self.prompt_kernel
         B, T = input_ids.shape
         offs = torch.arange(T, device=input_ids.device)
         positions = lens[:, None] + (offs if depth is None else depth)  # [B, T]
