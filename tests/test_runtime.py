@@ -441,8 +441,8 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
         step.forward(h, cos[..., :8], sin[..., :8], cache, slots, mask)
     a = tm.layers[0].self_attn
     with pytest.raises(RuntimeError, match="do not make one layer"):  # o where q/k/v belongs
-        cpu_linear.decode_layer(0, a, tm.layers[0].mlp, tm.layers[0].input_layernorm,
-                                tm.layers[0].post_attention_layernorm, tm.packed(a.o_proj), tm.packed(a.o_proj),
+        cpu_linear.decode_layer(0, a, tm.layers[0].input_layernorm, tm.layers[0].post_attention_layernorm,
+                                tm.packed(a.o_proj), tm.packed(a.o_proj),
                                 tm.packed(tm.layers[0].mlp.gate_proj, tm.layers[0].mlp.up_proj),
                                 tm.packed(tm.layers[0].mlp.down_proj))
 

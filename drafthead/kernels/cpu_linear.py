@@ -243,8 +243,8 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return _ext("fp32").argmax(x)
 
 
-def decode_layer(index: int, attn: nn.Module, mlp: nn.Module, in_norm: nn.Module, post_norm: nn.Module,
-                 qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear):
+def decode_layer(index: int, attn: nn.Module, in_norm: nn.Module, post_norm: nn.Module, qkv: PackedLinear,
+                 o: PackedLinear, gate_up: PackedLinear, down: PackedLinear):
     """A generated token's whole Llama / Qwen2 / Qwen3 decoder layer in one call (`cpu_linear_avx2.cpp`,
     DecodeLayer): `.forward(h [B, T, H], cos, sin, cache, slots [B, T], mask [B, 1, T, S])` -> [B, T, H], writing
     the tokens' K/V at their slots of layer `index`. The same bits as running the layer op by op with this module's

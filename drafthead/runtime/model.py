@@ -270,7 +270,7 @@ class TargetModel:
             a, m = layer.self_attn, layer.mlp
             qkv, gate_up = self.packed(a.q_proj, a.k_proj, a.v_proj), self.packed(m.gate_proj, m.up_proj)
             self._fused[i] = None if qkv is None or gate_up is None else cpu_linear.decode_layer(
-                i, a, m, layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed(a.o_proj), gate_up,
+                i, a, layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed(a.o_proj), gate_up,
                 self.packed(m.down_proj))
         return self._fused[i]
 
