@@ -9,8 +9,9 @@ time to stream the weights once. oneDNN does not reach that at these row counts:
 SmolLM2's weights at 4.5-6.8 GB/s on a 2-core AVX2 EPYC that reads memory at ~22 GB/s, and both change
 kernels with the row count. These kernels stream the weights once per call and compute each output element
 with one fixed instruction sequence, so a row's bits do not depend on how many rows share the call: a verify
-block gives the same logits as decoding its tokens one by one (what greedy losslessness needs). Prompts
-(prefill, many rows) keep using oneDNN; generated tokens always go through the kernel of the run's dtype.
+block gives the same logits as decoding its tokens one by one (what greedy losslessness needs). Generated
+tokens always go through the kernel of the run's dtype, and prompts too except on AMX CPUs, which keep oneDNN's
+tiles for them (`TargetModel.prompt_kernel`).
 
 Kinds: "bf16" (bf16 activations and weights; CPUs with AVX512-BF16) and "fp32" (fp32 activations and
 accumulation; any CPU with AVX2 and FMA; weights stored as fp32, or compressed to bf16 or int8 with
