@@ -176,6 +176,20 @@ torch::Tensor pack(torch::Tensor w) {
   return torch::cat(groups).view({NB, K, kLanes});
 }
 
+// y [M, N] = x [M, K] @ packed (* scale) (+ bias), dispatched on the packed weight's storage (fp32, bf16 bits as
+// int16, int8): what `linear` runs, and DecodeLayer's fp32 projections.
+void run_packed(const float* X, int64_t M, int64_t K, const torch::Tensor& packed, const float* S, const float* Bp,
+                float* Y, int64_t N) {
+  const int64_t NB = packed.size(0);
+  const auto t = packed.scalar_type();
+  if (t == at::kFloat)
+    run<float>(X, M, K, packed.data_ptr<float>(), NB, S, Bp, Y, N);
+  else if (t == at::kShort)
+    run<uint16_t>(X, M, K, static_cast<const uint16_t*>(packed.data_ptr()), NB, S, Bp, Y, N);
+  else
+    run<int8_t>(X, M, K, packed.data_ptr<int8_t>(), NB, S, Bp, Y, N);
+}
+
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> scale,
                      c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "linear: x must be a float32 [M, K] tensor");
@@ -196,19 +210,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     TORCH_CHECK(bias->numel() == N, "linear: bias has ", bias->numel(), " elements, expected ", N);
     b32 = bias->to(at::kFloat).contiguous();
   }
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* X = x.data_ptr<float>();
-  const float* S = s32.defined() ? s32.data_ptr<float>() : nullptr;
-  const float* Bp = b32.defined() ? b32.data_ptr<float>() : nullptr;
-  float* Y = y.data_ptr<float>();
-  if (t == at::kFloat) {
-    run<float>(X, M, K, packed.data_ptr<float>(), NB, S, Bp, Y, N);
-  } else if (t == at::kShort) {
-    run<uint16_t>(X, M, K, reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>()), NB, S, Bp, Y, N);
-  } else {
-    run<int8_t>(X, M, K, packed.data_ptr<int8_t>(), NB, S, Bp, Y, N);
-  }
+  auto y = torch::empty({x.size(0), N}, x.options());
+  run_packed(x.data_ptr<float>(), x.size(0), x.size(1), packed, s32.defined() ? s32.data_ptr<float>() : nullptr,
+             b32.defined() ? b32.data_ptr<float>() : nullptr, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -312,17 +316,16 @@ void attend_tile(const float* qf, int64_t D, const E* kb, int64_t ks, const E* v
   // less in fp32 (8 or 32 ahead gained less than 16; A/B of both builds in one process, AVX512-BF16 EPYC)
   constexpr int64_t kAheadKeys = 16;
   const int64_t lines = (D * static_cast<int64_t>(sizeof(E)) + 63) / 64;
-  for (int64_t u = 0; u < std::min(n, kAheadKeys); ++u)  // the first rows, before the loop's reach
-    for (int64_t l = 0; l < lines; ++l) {
-      _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
-    }
-  for (; j + 4 <= n; j += 4) {
-    for (int64_t u = j + kAheadKeys; u < std::min(n, j + kAheadKeys + 4); ++u)
+  auto prefetch = [&](int64_t u0, int64_t u1) {  // keys u0 .. u1-1 (clipped at n): their K and V rows
+    for (int64_t u = u0; u < std::min(n, u1); ++u)
       for (int64_t l = 0; l < lines; ++l) {
         _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
       }
+  };
+  prefetch(0, kAheadKeys);  // the first rows, before the loop's reach
+  for (; j + 4 <= n; j += 4) {
+    prefetch(j + kAheadKeys, j + kAheadKeys + 4);
     __m128 s[G];
     dot4<G>(qf, D, kb, key + j, ks, s);
     for (int g = 0; g < G; ++g) {
@@ -806,20 +809,11 @@ class DecodeLayer {
   template <typename E>
   void project(const Proj& p, const E* x, int64_t M, E* y) const {
     const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
-    const int64_t NB = p.packed.size(0);
-    if constexpr (std::is_same_v<E, uint16_t>) {
+    if constexpr (std::is_same_v<E, uint16_t>)
       bf16_(reinterpret_cast<const at::BFloat16*>(x), M, p.K, static_cast<const at::BFloat16*>(p.packed.data_ptr()),
-            NB, bias, reinterpret_cast<at::BFloat16*>(y), p.N);
-    } else {
-      const float* sc = p.scale.defined() ? p.scale.data_ptr<float>() : nullptr;
-      const auto t = p.packed.scalar_type();
-      if (t == at::kFloat)
-        run<float>(x, M, p.K, p.packed.data_ptr<float>(), NB, sc, bias, y, p.N);
-      else if (t == at::kShort)
-        run<uint16_t>(x, M, p.K, static_cast<const uint16_t*>(p.packed.data_ptr()), NB, sc, bias, y, p.N);
-      else
-        run<int8_t>(x, M, p.K, p.packed.data_ptr<int8_t>(), NB, sc, bias, y, p.N);
-    }
+            p.packed.size(0), bias, reinterpret_cast<at::BFloat16*>(y), p.N);
+    else
+      run_packed(x, M, p.K, p.packed, p.scale.defined() ? p.scale.data_ptr<float>() : nullptr, bias, y, p.N);
   }
 
   template <typename E>
