@@ -22,8 +22,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.device.type == "cpu" and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
                 and x.dtype in (torch.float32, torch.bfloat16) and cpu_linear.available("fp32")):
-            # a draft step on CPU: one extension call (the same formula, fp32 statistics) instead of ~8 operators,
-            # ~100 us of a SmolLM2 EAGLE3 draft step's four norms
+            # a draft step on CPU: one extension call (the same formula, fp32 statistics) instead of ~8 operators:
+            # 4.4 against 15.2 us a call on a bf16 [1, 1, 576] row (AVX512-BF16 EPYC), four calls a draft step
             return cpu_linear.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()

@@ -439,7 +439,51 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
         step.forward(h, cos, sin, cache, slots, mask[..., :7])
     with pytest.raises(RuntimeError, match="cos and sin"):
         step.forward(h, cos[..., :8], sin[..., :8], cache, slots, mask)
-    a = tm.layers[0].self_attn
+    with pytest.raises(RuntimeError, match="slots must be int64"):
+        step.forward(h, cos, sin, cache, slots.int(), mask)
+    with pytest.raises(RuntimeError, match="cache must be a contiguous"):
+        step.forward(h, cos, sin, cache.transpose(2, 3).contiguous().transpose(2, 3), slots, mask)
+    a, layer = tm.layers[0].self_attn, tm.layers[0]
+    qkv, o = tm.packed(a.q_proj, a.k_proj, a.v_proj), tm.packed(a.o_proj)
+    gate_up, down = tm.packed(layer.mlp.gate_proj, layer.mlp.up_proj), tm.packed(layer.mlp.down_proj)
+    ext = cpu_linear._ext("fp32")
+    norm = layer.input_layernorm.weight.detach()
+
+    def make(qkv_args=None, q_norm=None, k_norm=None, capsule=None, norms=norm):
+        def args(p):
+            return p.packed, p.out_features, p.scale, p.bias
+        return ext.DecodeLayer(0, 2, 2, 16, 0.25, norms, 1e-5, norms, 1e-5, q_norm, k_norm, 1e-5,
+                               qkv_args or args(qkv), args(o), args(gate_up), args(down), capsule)
+
+    assert make() is not None
+    with pytest.raises(RuntimeError, match="int8 weights need a per-output scale"):
+        make(qkv_args=(qkv.packed.to(torch.int8), qkv.out_features, None, None))
+    with pytest.raises(RuntimeError, match="bias has 3 elements"):
+        make(qkv_args=(qkv.packed, qkv.out_features, None, torch.zeros(3)))
+    with pytest.raises(RuntimeError, match="more than its packed weight holds"):
+        make(qkv_args=(qkv.packed, qkv.packed.shape[0] * 8 + 1, None, None))
+    with pytest.raises(RuntimeError, match="q_norm without k_norm"):
+        make(q_norm=torch.ones(16))
+    if cpu_linear.available("bf16"):  # a bf16 layer needs the bf16 kernel's weights and its capsule
+        with pytest.raises(RuntimeError, match="packed by its dtype's kernel"):
+            make(norms=norm.bfloat16(), capsule=cpu_linear._ext("bf16").LINEAR)
+        bq = cpu_linear.PackedLinear(nn.Linear(32, 96, bias=False).bfloat16())
+        bo = cpu_linear.PackedLinear(nn.Linear(32, 32, bias=False).bfloat16())
+        bgu = cpu_linear.PackedLinear(nn.Linear(32, 128, bias=False).bfloat16())
+        bd = cpu_linear.PackedLinear(nn.Linear(64, 32, bias=False).bfloat16())
+
+        def make_bf16(capsule):
+            return ext.DecodeLayer(0, 2, 2, 16, 0.25, norm.bfloat16(), 1e-5, norm.bfloat16(), 1e-5, None, None, 0.0,
+                                   *[(p.packed, p.out_features, None, None) for p in (bq, bo, bgu, bd)], capsule)
+
+        assert make_bf16(cpu_linear._ext("bf16").LINEAR) is not None
+        with pytest.raises(RuntimeError, match="need the bf16 extension's LINEAR capsule"):
+            make_bf16(None)
+        import ctypes
+        other = ctypes.pythonapi.PyCapsule_New
+        other.restype, other.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        with pytest.raises(RuntimeError, match="capsule is not drafthead.bf16_linear"):
+            make_bf16(other(1, b"something.else", None))
     with pytest.raises(RuntimeError, match="do not make one layer"):  # o where q/k/v belongs
         cpu_linear.decode_layer(0, a, tm.layers[0].input_layernorm, tm.layers[0].post_attention_layernorm,
                                 tm.packed(a.o_proj), tm.packed(a.o_proj),
