@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family
-from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, project, rope_cos_sin, shift,
-                              soft_cross_entropy, ttt_attention)
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, one_call_layer, project,
+                              rope_cos_sin, shift, soft_cross_entropy, ttt_attention)
 from drafthead.vocab import target_to_draft
 
 
@@ -295,32 +295,41 @@ class Eagle3Drafter(nn.Module):
         return self.fc(x)  # [.., H]
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               past_kv: tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+               kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None,
+               logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the draft layer on T new positions.
 
         Args:
             input_ids: [B, T] tokens x_{t+1} paired with `hidden` (fused target feature or the draft's
                 previous output hidden state) at the same position.
             hidden: [B, T, H]; positions: [B, T] rope positions.
-            past_kv: cached (k, v) each [B, kvh, S, D] (un-expanded), or None.
-            attn_mask: bool [B, 1, T, S+T], True = may attend. Default: all past + causal among new.
-        Returns (draft-vocab logits [B, T, N], output hidden [B, T, H], (k, v) with the new entries).
+            kv: (cache [B, 2*kvh, S, D], slots [B, T]): the new keys / values are written at their slots and the
+                queries attend over the cache under attn_mask [B, 1, T, S]; or a cache an earlier call returned
+                (the new entries are appended), or None (the new entries alone); see `layers.kv_cache`.
+            logits_at: [B] the one new position per request whose logits are wanted; None = all.
+        Returns (draft-vocab logits [B, T or 1, N], output hidden [B, T, H], the cache).
         """
         layer = self.midlayer
         attn = layer.self_attn
+        c = self.config
         B, T = input_ids.shape
-        x, residual = layer.pre(self.embed_tokens(input_ids).to(hidden.dtype), hidden)
-        q, k, v = attn.qkv(x, positions)
-        if past_kv is not None:
-            k = torch.cat([past_kv[0], k], dim=2)
-            v = torch.cat([past_kv[1], v], dim=2)
-        S = k.shape[2]
-        if attn_mask is None:
-            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
-        o = cached_attention(q, k, v, attn_mask)  # [B, h, T, D]
-        out = layer.post(o.transpose(1, 2).reshape(B, T, -1), residual)
-        return self.lm_head(self.norm(out)), out, (k, v)
+        x, residual = layer.pre(self.embed_tokens(input_ids).to(hidden.dtype), hidden)  # [B, T, 2H], [B, T, H]
+        step = None if torch.is_grad_enabled() or not isinstance(kv, tuple) else one_call_layer(
+            self, c.num_attention_heads, c.num_key_value_heads, c.head_dim, layer.post_attention_layernorm,
+            attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp)
+        if step is not None and x.dtype == kv[0].dtype == layer.post_attention_layernorm.weight.dtype:
+            # a packed CPU draft step: the layer in one call, the bits of the op-by-op path below
+            cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, 1, T, D] fp32
+            cache, slots = kv
+            out = step.forward_input(x, residual, cos, sin, cache, slots, attn_mask.expand(B, 1, T, cache.shape[2]))
+        else:
+            q, k, v = attn.qkv(x, positions)  # [B, h, T, D], [B, kvh, T, D] x2
+            cache, attn_mask = kv_cache(kv, k, v, attn_mask)
+            kvh = c.num_key_value_heads
+            o = cached_attention(q, cache[:, :kvh], cache[:, kvh:], attn_mask)  # [B, h, T, D]
+            out = layer.post(o.transpose(1, 2).reshape(B, T, -1), residual)  # [B, T, H]
+        rows = out if logits_at is None else out[torch.arange(B, device=out.device), logits_at][:, None]
+        return self.lm_head(self.norm(rows)), out, cache
 
 
 # ---- the family record: what the trainer, runtime and exporters ask of EAGLE3 -----------------------

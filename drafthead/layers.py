@@ -85,6 +85,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joined = cpu_linear.joined(self.gate_proj, self.up_proj)
+        if joined is not None and not torch.is_grad_enabled():
+            # a packed draft step on CPU: silu(gate) * up in one call, as the one-call layer computes it
+            return self.down_proj(cpu_linear.silu_mul(joined(x)))
         gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(gate) * up)
 
@@ -99,11 +103,27 @@ def project(x: torch.Tensor, *projs: nn.Module) -> list[torch.Tensor]:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for integer positions [B, T] -> ([B, 1, T, D], [B, 1, T, D]) (HF 'default' rope)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D]
-    return emb.cos()[:, None], emb.sin()[:, None]
+    """cos/sin tables for integer positions [B, T] -> ([B, 1, T, D], [B, 1, T, D]) (HF 'default' rope), fp32.
+
+    Rows of a table kept per (head_dim, theta, device) and doubled when a position passes its end: a draft step
+    then indexes two rows instead of running ~10 operators (~80 us of a ~0.8 ms bf16 SmolLM2 draft step on a
+    2-core AVX512-BF16 EPYC). The table holds what the formula gives for each position: every element is
+    computed on its own, by the same operators."""
+    key = (head_dim, float(theta), positions.device)
+    top = int(positions.max()) + 1 if positions.numel() else 1
+    table = _ROPE_TABLES.get(key)
+    if table is None or table.shape[1] < top:
+        n = max(1024, 1 << (top - 1).bit_length())
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
+                                    / head_dim))
+        freqs = torch.arange(n, device=positions.device, dtype=torch.float32)[:, None] * inv_freq  # [n, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
+        table = _ROPE_TABLES[key] = torch.stack([emb.cos(), emb.sin()])  # [2, n, D]
+    cos_sin = table[:, positions]  # [2, B, T, D]
+    return cos_sin[0][:, None], cos_sin[1][:, None]
+
+
+_ROPE_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,6 +138,53 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rot * sin).to(x.dtype)
+
+
+def kv_cache(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put a draft step's new keys and values into its KV cache; returns (cache, mask) to attend with.
+
+    A cache is [B, 2*kvh, S, D]: keys, then values. kv:
+    - (cache, slots [B, T]): the runtime's cache, written in place at the slots; mask [B or 1, 1, T, S] required;
+    - a cache tensor returned by an earlier decode: the new entries are appended (a copy);
+    - None: a cache of the new entries alone.
+    Without a mask the new entries see every earlier entry and, among themselves, causally.
+    k, v [B, kvh, T, D].
+    """
+    B, kvh, T, _ = k.shape
+    if isinstance(kv, tuple):
+        cache, slots = kv
+        if mask is None:
+            raise ValueError("decode into a KV cache at slots needs the attention mask over the cache")
+        rows = torch.arange(B, device=k.device)[:, None]  # [B, 1]
+        cache[rows, :kvh, slots] = k.transpose(1, 2).to(cache.dtype)  # indexed view is [B, T, kvh, D]
+        cache[rows, kvh:, slots] = v.transpose(1, 2).to(cache.dtype)
+        return cache, mask
+    new = torch.cat([k, v], dim=1)  # [B, 2*kvh, T, D]
+    cache = new if kv is None else torch.cat([kv, new], dim=2)  # [B, 2*kvh, S, D]
+    if mask is None:
+        S = cache.shape[2]
+        mask = torch.ones(T, S, dtype=torch.bool, device=k.device).tril(S - T)[None, None]  # [1, 1, T, S]
+    return cache, mask
+
+
+def one_call_layer(owner: nn.Module, heads: int, kv_heads: int, head_dim: int, post_norm: nn.Module,
+                   q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, o_proj: nn.Module, mlp: SwiGLU):
+    """The CPU one-call decoder layer (`cpu_linear.decode_layer`, run by `forward_input`) for a draft layer whose
+    projections are packed (`cpu_linear.with_packed_linears`), made on first use and kept on `owner`; None where
+    they are not packed or do not join (the layer then runs op by op, with the same bits). Softmax scale
+    head_dim^-0.5, as `cached_attention`."""
+    cache = owner.__dict__.setdefault("_one_call", {})  # plain attribute: not a submodule, not in state dicts
+    if "layer" not in cache:
+        qkv = cpu_linear.joined(q_proj, k_proj, v_proj)
+        gate_up = cpu_linear.joined(mlp.gate_proj, mlp.up_proj)
+        packed = all(isinstance(p, cpu_linear.PackedLinear) for p in (o_proj, mlp.down_proj))
+        kinds = {p.kind for p in (qkv, gate_up, o_proj, mlp.down_proj)} if qkv and gate_up and packed else set()
+        ok = (kinds in ({"bf16"}, {"fp32"}) and head_dim % 8 == 0 and cpu_linear.available("fp32")
+              and post_norm.weight.dtype == (torch.bfloat16 if kinds == {"bf16"} else torch.float32))
+        cache["layer"] = cpu_linear.decode_layer(0, heads, kv_heads, head_dim, head_dim ** -0.5, None, post_norm, qkv,
+                                                 o_proj, gate_up, mlp.down_proj) if ok else None
+    return cache["layer"]
 
 
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

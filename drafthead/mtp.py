@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family
-from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin, shift,
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, rope_cos_sin, shift,
                               soft_cross_entropy, ttt_attention)
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
 
@@ -413,35 +413,34 @@ class MtpDrafter(nn.Module):
 
     # ---- inference: one module with a KV cache -------------------------------------------------
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               past_kv: tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None,
-               module: int = 0) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+               kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None,
+               logits_at: torch.Tensor | None = None, module: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run module `module` on T new positions (the `Eagle3Drafter.decode` contract).
 
         Args:
             input_ids: [B, T] tokens x_{t+1} paired with `hidden` (the target's last hidden h_t, or the
                 previous depth's output) at the same position.
             hidden: [B, T, H]; positions: [B, T] rope positions.
-            past_kv: this module's cached (k, v) each [B, kvh, S, D], or None.
-            attn_mask: bool [B, 1, T, S+T], True = may attend. Default: all past + causal among new.
-        Returns (full-vocab logits [B, T, V], hidden for the next depth [B, T, H], (k, v) with the new entries).
+            kv: this module's (cache [B, 2*kvh, S, D], slots [B, T]), a cache an earlier call returned, or None
+                (see `layers.kv_cache`); attn_mask [B, 1, T, S] over the cache.
+            logits_at: [B] the one new position per request whose logits are wanted; None = all.
+        Returns (full-vocab logits [B, T or 1, V], hidden for the next depth [B, T, H], the cache).
         """
         m = self.layers[module % len(self.layers)]
         attn = m.self_attn
-        T = input_ids.shape[1]
+        B = input_ids.shape[0]
         x = m.mix(self.embed_tokens(input_ids).to(m.eh_proj.weight.dtype), hidden)  # [B, T, H]
         xn = m.input_layernorm(x)
         q, gate = attn.q(xn, positions)
-        k, v = attn.kv(xn, positions)
-        if past_kv is not None:
-            k = torch.cat([past_kv[0], k], dim=2)
-            v = torch.cat([past_kv[1], v], dim=2)
-        S = k.shape[2]
-        if attn_mask is None:
-            attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
-        o = cached_attention(q, k, v, attn_mask)  # [B, h, T, D]
+        k, v = attn.kv(xn, positions)  # [B, kvh, T, D] each
+        cache, attn_mask = kv_cache(kv, k, v, attn_mask)
+        kvh = k.shape[1]
+        o = cached_attention(q, cache[:, :kvh], cache[:, kvh:], attn_mask)  # [B, h, T, D]
         out = m.finish(x, attn.out(o, gate))  # [B, T, H]
         normed = m.shared_head.norm(out)
-        return m.shared_head.head(normed), (normed if self.config.chain_normed else out), (k, v)
+        rows = normed if logits_at is None else normed[torch.arange(B, device=out.device), logits_at][:, None]
+        return m.shared_head.head(rows), (normed if self.config.chain_normed else out), cache
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_ttt_matches_inference_decode():
     ref0 = m.norm(out[0, -1])
     assert torch.allclose(m.norm(step0[t]), ref0, atol=1e-5)
     for i in range(1, 3):
-        _, out_i, kv = m.decode(ids[:, t + 1 + i: t + 2 + i], h_prev, torch.tensor([[t + i]]), past_kv=kv)
+        _, out_i, kv = m.decode(ids[:, t + 1 + i: t + 2 + i], h_prev, torch.tensor([[t + i]]), kv=kv)
         n_rows = T - 2 - i  # valid positions at step i
         assert seen[i].shape[0] == n_rows
         assert torch.allclose(seen[i][t], out_i[0, 0], atol=1e-5), f"step {i}"
@@ -186,3 +186,54 @@ def test_hard_label_weight_mixes_a_one_hot_on_the_target_argmax():
     torch.testing.assert_close(hard, want, rtol=1e-5, atol=1e-5)
     m.config.hard_label_weight = 0.25
     torch.testing.assert_close(m(ids, aux, teacher, tgt, mask)["loss"], 0.75 * soft + 0.25 * hard, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_one_call_draft_step_gives_the_op_by_op_bits(dtype, norm_before_residual, monkeypatch):
+    """A packed CPU draft step (the runtime's copy, `with_packed_linears`) runs its layer in one extension call
+    (`layers.one_call_layer`, DecodeLayer.forward_input). Logits, output hidden and the KV cache written must be
+    the op-by-op path's bits, for a lone token and a causal block, two requests at their own slots."""
+    import drafthead.eagle3 as eagle3
+    from drafthead.kernels import cpu_linear
+    from drafthead.layers import one_call_layer
+
+    kinds = ("fp32",) if dtype == torch.float32 else ("fp32", "bf16")
+    if not all(cpu_linear.available(k) for k in kinds):
+        pytest.skip(f"CPU kernel unavailable: {[cpu_linear.unavailable_reason(k) for k in kinds]}")
+    m = tiny_drafter()
+    m.config.norm_before_residual = norm_before_residual
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for norm in (m.midlayer.input_layernorm, m.midlayer.hidden_norm, m.midlayer.post_attention_layernorm, m.norm):
+            norm.weight.copy_(1 + 0.3 * torch.randn(H, generator=g))
+    packed = cpu_linear.with_packed_linears(m.to(dtype))
+    c = m.config
+    layer, attn = packed.midlayer, packed.midlayer.self_attn
+    assert one_call_layer(packed, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          layer.post_attention_layernorm, attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                          layer.mlp) is not None
+    B, S, lens = 2, 16, torch.tensor([5, 9])
+    cache = torch.randn(B, 2 * c.num_key_value_heads, S, c.head_dim, generator=g).to(dtype)
+    for T in (1, 3):
+        ids = torch.randint(0, V, (B, T), generator=g)
+        hidden = torch.randn(B, T, H, generator=g).to(dtype)
+        slots = lens[:, None] + torch.arange(T)  # [B, T] = rope positions
+        rel = torch.arange(S)[None, None] - slots[:, :, None]  # [B, T, S]
+        mask = ((torch.arange(S)[None, None] < lens[:, None, None]) | ((rel <= 0) & (rel > -T)))[:, None]
+        at = torch.tensor([T - 1, 0])
+        runs = []
+        for one_call in (True, False):
+            if not one_call:
+                monkeypatch.setattr(eagle3, "one_call_layer", lambda *a, **k: None)
+            kv = cache.clone()
+            with torch.inference_mode():
+                logits, out, _ = packed.decode(ids, hidden, slots, (kv, slots), mask)
+                head, _, _ = packed.decode(ids, hidden, slots, (kv.clone(), slots), mask, logits_at=at)
+            runs.append((logits, out, kv, head))
+        monkeypatch.undo()
+        for got, want in zip(*runs):
+            assert torch.equal(got, want), f"T={T}"
+        logits, _, kv, head = runs[0]
+        assert torch.equal(head[:, 0], logits[torch.arange(B), at])
+        assert not torch.equal(kv, cache) and torch.equal(kv[0, :, :5], cache[0, :, :5])  # only the slots changed

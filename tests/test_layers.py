@@ -95,3 +95,16 @@ def test_inference_norm_and_rope_match_the_training_math(dtype):
         assert torch.equal(got_norm, want_norm)
     else:
         torch.testing.assert_close(got_norm, want_norm, rtol=2e-6, atol=1e-6)
+
+
+def test_rope_tables_hold_the_formula():
+    """rope_cos_sin reads rows of a cached table (grown past its first 1024 positions here): the formula's bits."""
+    from drafthead.layers import rope_cos_sin
+
+    pos = torch.tensor([[0, 1, 7, 1023], [1024, 5000, 3, 2]])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    emb = torch.cat([pos.float()[..., None] * inv_freq] * 2, dim=-1)  # [B, T, D]
+    for p in (pos[:1], pos):  # the second call grows the table
+        cos, sin = rope_cos_sin(p, 64, 10000.0)
+        assert cos.shape == sin.shape == (p.shape[0], 1, 4, 64) and cos.dtype == torch.float32
+        assert torch.equal(cos, emb[: p.shape[0]].cos()[:, None]) and torch.equal(sin, emb[: p.shape[0]].sin()[:, None])

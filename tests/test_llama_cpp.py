@@ -170,7 +170,7 @@ def replay_acceptance(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tens
                 tokens.append(int(tok))
                 if j + 1 == k:
                     break
-                logits, h, kv = drafter.decode(tok.view(1, 1), h, torch.tensor([[c + j]]), past_kv=kv)
+                logits, h, kv = drafter.decode(tok.view(1, 1), h, torch.tensor([[c + j]]), kv=kv)
                 tok = drafter.draft_to_target(logits[0, -1].argmax())
             m = min(k, L - 1 - c)  # drafts that have a known token to be checked against
             n = 0

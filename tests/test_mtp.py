@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
 
+from drafthead.layers import kv_cache
 from drafthead.layers import shift as _shift
 from drafthead.mtp import (FASTMTP_STEP_WEIGHTS, MtpConfig, MtpDrafter, MtpOptions, init_from_native,
                            init_from_target)
@@ -164,7 +165,7 @@ def _chain_reference(d: MtpDrafter, ids, last, t: int, K: int) -> list[torch.Ten
             outs.append(out[0, -1])
     for k in range(1, K):
         m = k % M
-        _, h, kv[m] = d.decode(ids[:, t + 1 + k: t + 2 + k], h, torch.tensor([[t + k]]), past_kv=kv[m], module=m)
+        _, h, kv[m] = d.decode(ids[:, t + 1 + k: t + 2 + k], h, torch.tensor([[t + k]]), kv=kv[m], module=m)
         outs.append(h[0, 0])
     return outs
 
@@ -579,18 +580,21 @@ class OracleMtp(nn.Module):
     def draft_to_target(self, idx):
         return idx
 
-    def decode(self, input_ids, hidden, positions, past_kv=None, attn_mask=None, module=0):
+    def decode(self, input_ids, hidden, positions, kv=None, attn_mask=None, logits_at=None, module=0):
         B, T = input_ids.shape
         new = input_ids[:, None, :, None].to(torch.float64)  # [B, 1, T, 1]
-        kv = new if past_kv is None else torch.cat([past_kv[0], new], dim=2)
+        cache, attn_mask = kv_cache(kv, new, new, attn_mask)  # [B, 2, S, 1]
+        attn_mask = attn_mask.expand(B, 1, T, cache.shape[2])
         logits = torch.zeros(B, T, self.config.vocab_size, dtype=torch.float64)
         for b, i in itertools.product(range(B), range(T)):
             vis = attn_mask[b, 0, i].nonzero()[:, 0]
-            seq = [1] + [int(t) for t in kv[b, 0, vis, 0]]
+            seq = [1] + [int(t) for t in cache[b, 0, vis, 0]]
             with torch.no_grad():
                 top = self.target(torch.tensor([seq])).logits[0, -1].argmax()
             logits[b, i, top] = 50.0
-        return logits, hidden, (kv, kv.clone())
+        if logits_at is not None:
+            logits = logits[torch.arange(B), logits_at][:, None]
+        return logits, hidden, cache
 
 
 def test_oracle_mtp_accepts_every_draft():

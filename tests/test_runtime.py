@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from drafthead import hardware
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
+from drafthead.layers import kv_cache
 from drafthead.kernels import cpu_linear
 from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
 from drafthead.runtime import ops
@@ -104,25 +105,25 @@ class OracleDrafter(nn.Module):
             self.memo[seq] = logits
         return self.memo[seq]
 
-    def decode(self, input_ids, hidden, positions, past_kv=None, attn_mask=None):
+    def decode(self, input_ids, hidden, positions, kv=None, attn_mask=None, logits_at=None):
         B, T = input_ids.shape
         emb = self.target.get_input_embeddings().weight  # [V, H]
         match = (hidden[:, :, None, :] == emb[None, None]).all(-1)  # [B, T, V]
         prev = torch.where(match.any(-1), match.float().argmax(-1), -1)  # [B, T] x_t when hidden is f_t
-        new = torch.stack([input_ids, prev], dim=-1)[:, None].to(emb.dtype)  # [B, 1, T, 2]
-        kv = new if past_kv is None else torch.cat([past_kv[0], new], dim=2)  # [B, 1, S+T, 2]
-        S = kv.shape[2]
-        if attn_mask is None:
-            attn_mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)[None, None].expand(B, 1, T, S)
+        new = torch.stack([input_ids, prev], dim=-1)[:, None].to(emb.dtype)  # [B, 1, T, 2] an entry's key
+        cache, attn_mask = kv_cache(kv, new, new, attn_mask)  # [B, 2, S, 2]
+        attn_mask = attn_mask.expand(B, 1, T, cache.shape[2])
         logits = torch.zeros(B, T, emb.shape[0], dtype=emb.dtype)
         for b, i in itertools.product(range(B), range(T)):
             vis = attn_mask[b, 0, i].nonzero()[:, 0]
-            first = int(kv[b, 0, vis[0], 1])
+            first = int(cache[b, 0, vis[0], 1])
             if first < 0:  # a padding query: any answer will do
                 continue
-            seq = (first,) + tuple(int(t) for t in kv[b, 0, vis, 0])
+            seq = (first,) + tuple(int(t) for t in cache[b, 0, vis, 0])
             logits[b, i] = self.next_logits(seq)
-        return logits, torch.zeros_like(hidden), (kv, kv.clone())
+        if logits_at is not None:
+            logits = logits[torch.arange(B), logits_at][:, None]
+        return logits, torch.zeros_like(hidden), cache
 
 
 def reference_greedy(target: Target, prompt: list[int], n: int) -> list[int]:
@@ -484,8 +485,27 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
         other.restype, other.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
         with pytest.raises(RuntimeError, match="capsule is not drafthead.bf16_linear"):
             make_bf16(other(1, b"something.else", None))
+    # without an input norm (a draft layer): forward_input(x, residual, ..) only, x as wide as q/k/v's input
+    # given x = input_norm(h) and residual h it is the layer's forward, bit for bit
+    post = layer.post_attention_layernorm
+    bare = ext.DecodeLayer(0, 2, 2, 16, a.scaling, None, 0.0, post.weight.detach(), post.variance_epsilon, None, None,
+                           0.0, *[(p.packed, p.out_features, p.scale, p.bias) for p in (qkv, o, gate_up, down)], None)
+    h1 = torch.randn(1, 1, 32)
+    step_x = cpu_linear.rms_norm(h1, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+    got_cache, want_cache = cache.clone(), cache.clone()
+    got = bare.forward_input(step_x, h1, cos + 1, sin, got_cache, slots, mask)
+    assert torch.equal(got, step.forward(h1, cos + 1, sin, want_cache, slots, mask))
+    assert torch.equal(got_cache, want_cache) and got_cache.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="runs by forward_input"):
+        bare.forward(h, cos, sin, cache, slots, mask)
+    with pytest.raises(RuntimeError, match="x must be"):
+        bare.forward_input(torch.zeros(1, 1, 64), h, cos, sin, cache, slots, mask)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        bare.forward_input(step_x, torch.zeros(1, 1, 16), cos, sin, cache, slots, mask)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        bare.forward_input(step_x, h, cos.double(), sin.double(), cache, slots, mask)
     with pytest.raises(RuntimeError, match="do not make one layer"):  # o where q/k/v belongs
-        cpu_linear.decode_layer(0, a, tm.layers[0].input_layernorm, tm.layers[0].post_attention_layernorm,
+        cpu_linear.decode_layer(0, 2, 2, 16, 0.25, tm.layers[0].input_layernorm, tm.layers[0].post_attention_layernorm,
                                 tm.packed(a.o_proj), tm.packed(a.o_proj),
                                 tm.packed(tm.layers[0].mlp.gate_proj, tm.layers[0].mlp.up_proj),
                                 tm.packed(tm.layers[0].mlp.down_proj))
@@ -507,6 +527,19 @@ def test_bf16_decode_kernel_unavailable_falls_back_with_a_reason(monkeypatch: py
         cpu_linear.pack(torch.zeros(4, 8, dtype=torch.bfloat16))
     tm = TargetModel(tiny_target("llama", dtype=torch.bfloat16).model)
     assert not tm.decode_kernel  # the runtime uses oneDNN then
+
+
+def test_draft_kv_cache_overflow_and_a_maskless_cache_write_are_named_errors(llama: Target) -> None:
+    from drafthead.runtime.draft import DraftRunner
+
+    d = random_drafter(llama)
+    r = DraftRunner(d, 1, 4, torch.device("cpu"))
+    H = llama.config.hidden_size
+    with pytest.raises(ValueError, match=r"draft KV cache overflow: 0 prefix \+ 5 speculative entries > capacity 4"):
+        r.extend(torch.zeros(1, 5, dtype=torch.long), torch.zeros(1, 5, 3 * H), torch.tensor([5]))
+    k = torch.zeros(1, d.config.num_key_value_heads, 1, d.config.head_dim)
+    with pytest.raises(ValueError, match="needs the attention mask"):
+        kv_cache((r.cache, torch.zeros(1, 1, dtype=torch.long)), k, k, None)
 
 
 def test_kv_cache_overflow_is_a_named_error(llama: Target) -> None:
@@ -657,10 +690,9 @@ def test_kv_after_rounds_equals_fresh_prefill(mode: str, kind: str, qwen3: Targe
             torch.testing.assert_close(s.cache[b, :, :L], fresh[0, :, :L], atol=1e-10, rtol=0)
             # draft prefix: entry t = (x_{t+1}, fuse(f_t)) recomputed from scratch
             nxt = torch.tensor([seq[1:] + [r.history[-1]]])
-            _, _, (k, v) = drafter.decode(nxt, drafter.fuse(aux), torch.arange(L)[None])
+            _, _, cache = drafter.decode(nxt, drafter.fuse(aux), torch.arange(L)[None])
             assert int(s.draft.lens[b]) == L
-            torch.testing.assert_close(s.draft.k[b, :, :L], k[0], atol=1e-10, rtol=0)
-            torch.testing.assert_close(s.draft.v[b, :, :L], v[0], atol=1e-10, rtol=0)
+            torch.testing.assert_close(s.draft.cache[b, :, :L], cache[0], atol=1e-10, rtol=0)
 
 
 # ---- batching -----------------------------------------------------------------------------------

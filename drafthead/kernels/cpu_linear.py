@@ -244,29 +244,33 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return _ext("fp32").argmax(x)
 
 
-def decode_layer(index: int, attn: nn.Module, in_norm: nn.Module, post_norm: nn.Module, qkv: PackedLinear,
-                 o: PackedLinear, gate_up: PackedLinear, down: PackedLinear):
+def decode_layer(index: int, heads: int, kv_heads: int, head_dim: int, scaling: float, in_norm: nn.Module | None,
+                 post_norm: nn.Module, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear,
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
     """A generated token's whole Llama / Qwen2 / Qwen3 decoder layer in one call (`cpu_linear_avx2.cpp`,
     DecodeLayer): `.forward(h [B, T, H], cos, sin, cache, slots [B, T], mask [B, 1, T, S])` -> [B, T, H], writing
     the tokens' K/V at their slots of layer `index`. The same bits as running the layer op by op with this module's
     kernels and small ops (TargetModel.block); what it saves is the Python and dispatch between them.
-    qkv and gate_up are the joined packed projections (`concat`); norms are HF RMSNorms (`weight`,
-    `variance_epsilon`); attn carries the head counts and `scaling`, Qwen3 also `q_norm` / `k_norm`."""
+    qkv and gate_up are the joined packed projections (`concat`); norms are RMSNorms (`weight` and HF's
+    `variance_epsilon` or drafthead's `eps`); q_norm / k_norm are Qwen3's per-head norms.
+    With `in_norm` None the layer runs by `.forward_input(x, residual, cos, sin, cache, slots, mask)`: x [B, T, K]
+    is the attention's input as the caller made it (a draft's [norm(embedding); norm(hidden)]), residual [B, T, H]
+    what the attention's output adds to; float32 cos / sin then give a bf16 layer a draft's fp32 RoPE."""
     ext = _ext("fp32")
     cap = _ext("bf16").LINEAR if qkv.kind == "bf16" else None
-    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    heads = attn.q_proj.out_features // attn.head_dim
-    kv_heads = attn.k_proj.out_features // attn.head_dim
+
+    def eps(norm: nn.Module | None) -> float:
+        return 0.0 if norm is None else float(getattr(norm, "variance_epsilon", getattr(norm, "eps", None)))
+
+    def weight(norm: nn.Module | None) -> torch.Tensor | None:
+        return None if norm is None else norm.weight.detach()
 
     def proj(p: PackedLinear) -> tuple:
         return p.packed, p.out_features, p.scale, p.bias
 
-    return ext.DecodeLayer(index, heads, kv_heads, attn.head_dim, float(attn.scaling), in_norm.weight.detach(),
-                           float(in_norm.variance_epsilon), post_norm.weight.detach(),
-                           float(post_norm.variance_epsilon), qn.weight.detach() if qn is not None else None,
-                           kn.weight.detach() if kn is not None else None,
-                           float(qn.variance_epsilon) if qn is not None else 0.0, proj(qkv), proj(o), proj(gate_up),
-                           proj(down), cap)
+    return ext.DecodeLayer(index, heads, kv_heads, head_dim, float(scaling), weight(in_norm), eps(in_norm),
+                           weight(post_norm), eps(post_norm), weight(q_norm), weight(k_norm), eps(q_norm),
+                           proj(qkv), proj(o), proj(gate_up), proj(down), cap)
 
 
 def packed_bytes(module: nn.Module) -> int:

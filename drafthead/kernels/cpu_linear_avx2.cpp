@@ -522,24 +522,27 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 }
 
 // One head's row: y = x * cos + rotate_half(x) * sin, each product and the sum rounded to E (as torch's ops).
-template <typename E>
-inline void rope_row(const E* x, const E* c, const E* s, E* y, int64_t D) {
+// C, the type of cos and sin, sets where the math rounds: C = E rounds each product and the sum to E (HF's
+// `x * cos + rotate_half(x) * sin` in E); C = float with bf16 x keeps them in fp32 and rounds once to E (a draft's
+// rope: x widened, fp32 tables, `.to(x.dtype)` at the end).
+template <typename E, typename C = E>
+inline void rope_row(const E* x, const C* c, const C* s, E* y, int64_t D) {
   const int64_t half = D / 2;
   int64_t d = 0;
   if (half % 8 == 0)
     for (; d < half; d += 8) {
       const __m256 x1 = load8(x + d), x2 = load8(x + half + d);
-      const __m256 lo = _mm256_add_ps(round8<E>(_mm256_mul_ps(x1, load8(c + d))),
-                                      round8<E>(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), load8(s + d))));
-      const __m256 hi = _mm256_add_ps(round8<E>(_mm256_mul_ps(x2, load8(c + half + d))),
-                                      round8<E>(_mm256_mul_ps(x1, load8(s + half + d))));
-      store8(y + d, round8<E>(lo));
-      store8(y + half + d, round8<E>(hi));
+      const __m256 lo = _mm256_add_ps(round8<C>(_mm256_mul_ps(x1, load8(c + d))),
+                                      round8<C>(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), load8(s + d))));
+      const __m256 hi = _mm256_add_ps(round8<C>(_mm256_mul_ps(x2, load8(c + half + d))),
+                                      round8<C>(_mm256_mul_ps(x1, load8(s + half + d))));
+      store8(y + d, round8<E>(round8<C>(lo)));
+      store8(y + half + d, round8<E>(round8<C>(hi)));
     }
   for (; d < half; ++d) {
     const float x1 = to_f(x[d]), x2 = to_f(x[half + d]);
-    put(y + d, round_s<E>(round_s<E>(x1 * to_f(c[d])) + round_s<E>(-x2 * to_f(s[d]))));
-    put(y + half + d, round_s<E>(round_s<E>(x2 * to_f(c[half + d])) + round_s<E>(x1 * to_f(s[half + d]))));
+    put(y + d, round_s<E>(round_s<C>(round_s<C>(x1 * to_f(c[d])) + round_s<C>(-x2 * to_f(s[d])))));
+    put(y + half + d, round_s<E>(round_s<C>(round_s<C>(x2 * to_f(c[half + d])) + round_s<C>(x1 * to_f(s[half + d])))));
   }
 }
 
@@ -732,21 +735,27 @@ void add_rows(const E* a, const E* b, E* y, int64_t n) {  // y = a + b rounded t
 
 class DecodeLayer {
  public:
-  DecodeLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, torch::Tensor in_norm,
-              double in_eps, torch::Tensor post_norm, double post_eps, c10::optional<torch::Tensor> q_norm,
+  DecodeLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
+              c10::optional<torch::Tensor> in_norm, double in_eps, torch::Tensor post_norm, double post_eps, c10::optional<torch::Tensor> q_norm,
               c10::optional<torch::Tensor> k_norm, double qk_eps, ProjArgs qkv, ProjArgs o, ProjArgs gate_up,
               ProjArgs down, py::object bf16_linear)
       : layer_(layer), H_(heads), KVH_(kv_heads), D_(head_dim), scale_(static_cast<float>(scaling)),
         in_eps_(static_cast<float>(in_eps)), post_eps_(static_cast<float>(post_eps)),
-        qk_eps_(static_cast<float>(qk_eps)), in_norm_(in_norm.contiguous()), post_norm_(post_norm.contiguous()),
+        qk_eps_(static_cast<float>(qk_eps)), post_norm_(post_norm.contiguous()),
         qkv_(make_proj(qkv, "qkv")), o_(make_proj(o, "o")), gate_up_(make_proj(gate_up, "gate_up")),
         down_(make_proj(down, "down")) {
-    dtype_ = in_norm_.scalar_type();
+    dtype_ = post_norm_.scalar_type();
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "DecodeLayer: float32 or bfloat16 layers only");
-    TORCH_CHECK(post_norm_.scalar_type() == dtype_, "DecodeLayer: the norms must share the layer's dtype");
+    hidden_ = post_norm_.numel();
+    if (in_norm.has_value() && in_norm->defined()) {
+      in_norm_ = in_norm->contiguous();
+      TORCH_CHECK(in_norm_.scalar_type() == dtype_, "DecodeLayer: the norms must share the layer's dtype");
+      TORCH_CHECK(in_norm_.numel() == hidden_, "DecodeLayer: the two norms differ in size");
+    }
     TORCH_CHECK(D_ % 8 == 0 && H_ % KVH_ == 0, "DecodeLayer: head_dim a multiple of 8, kv heads dividing heads");
-    hidden_ = in_norm_.numel();
-    TORCH_CHECK(qkv_.N == (H_ + 2 * KVH_) * D_ && qkv_.K == hidden_ && o_.N == hidden_ && o_.K == H_ * D_ &&
+    // without an input norm the caller gives the attention's input itself (`forward_input`), of any width
+    TORCH_CHECK(qkv_.N == (H_ + 2 * KVH_) * D_ && (!in_norm_.defined() || qkv_.K == hidden_) && o_.N == hidden_ &&
+                o_.K == H_ * D_ &&
                 gate_up_.K == hidden_ && gate_up_.N % 2 == 0 && down_.K == gate_up_.N / 2 && down_.N == hidden_,
                 "DecodeLayer: the projections' shapes do not make one layer");
     if (q_norm.has_value() && q_norm->defined()) {
@@ -774,14 +783,37 @@ class DecodeLayer {
   // cos, sin [B, T, D] (or [B, 1, T, D]); mask [B, 1, T, S] bool.
   torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache,
                         torch::Tensor slots, torch::Tensor mask) {
+    TORCH_CHECK(in_norm_.defined(), "DecodeLayer: a layer made without an input norm runs by forward_input");
     TORCH_CHECK(h.dim() == 3 && h.size(2) == hidden_ && h.scalar_type() == dtype_,
                 "DecodeLayer: h must be [B, T, ", hidden_, "] of the layer's dtype");
+    return run(torch::Tensor(), h, cos, sin, cache, slots, mask);
+  }
+
+  // The layer from the attention's input on: x [B, T, qkv's K] goes straight into q/k/v (the caller normed it) and
+  // the attention's output is added to residual [B, T, hidden]. An EAGLE3 layer reads [norm(embedding); norm(hidden)]
+  // this way. cos, sin may also be float32 for a bf16 layer: RoPE then rounds once, after fp32 math.
+  torch::Tensor forward_input(torch::Tensor x, torch::Tensor residual, torch::Tensor cos, torch::Tensor sin,
+                              torch::Tensor cache, torch::Tensor slots, torch::Tensor mask) {
+    TORCH_CHECK(residual.dim() == 3 && residual.size(2) == hidden_ && residual.scalar_type() == dtype_,
+                "DecodeLayer: residual must be [B, T, ", hidden_, "] of the layer's dtype");
+    TORCH_CHECK(x.dim() == 3 && x.size(0) == residual.size(0) && x.size(1) == residual.size(1) &&
+                x.size(2) == qkv_.K && x.scalar_type() == dtype_,
+                "DecodeLayer: x must be [B, T, ", qkv_.K, "] of the layer's dtype");
+    return run(x.contiguous(), residual, cos, sin, cache, slots, mask);
+  }
+
+ private:
+  // x undefined: x = the input norm of h (`forward`)
+  torch::Tensor run(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache,
+                    torch::Tensor slots, torch::Tensor mask) {
     const int64_t B = h.size(0), T = h.size(1);
     if (cos.dim() == 4 && cos.size(1) == 1) cos = cos.squeeze(1);
     if (sin.dim() == 4 && sin.size(1) == 1) sin = sin.squeeze(1);
+    const bool cos32 = cos.scalar_type() == at::kFloat && dtype_ != at::kFloat;  // a draft's fp32 tables
     TORCH_CHECK(cos.dim() == 3 && cos.size(0) == B && cos.size(1) == T && cos.size(2) == D_ &&
-                sin.sizes() == cos.sizes() && cos.scalar_type() == dtype_ && sin.scalar_type() == dtype_,
-                "DecodeLayer: cos and sin must be [B, T, head_dim] of the layer's dtype");
+                sin.sizes() == cos.sizes() && (cos.scalar_type() == dtype_ || cos32) &&
+                sin.scalar_type() == cos.scalar_type(),
+                "DecodeLayer: cos and sin must be [B, T, head_dim] of the layer's dtype (or float32)");
     TORCH_CHECK(cache.dim() == 4 && cache.size(0) == B && cache.size(1) >= 2 * (layer_ + 1) * KVH_ &&
                 cache.size(3) == D_ && cache.scalar_type() == dtype_ && cache.is_contiguous(),
                 "DecodeLayer: cache must be a contiguous [B, L * 2 * kv_heads, S, head_dim] of the layer's dtype");
@@ -798,11 +830,11 @@ class DecodeLayer {
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t i = 0; i < B * T; ++i)
       TORCH_CHECK(sl[i] >= 0 && sl[i] < S, "DecodeLayer: slot ", sl[i], " is outside the cache (capacity ", S, ")");
-    if (dtype_ == at::kFloat) return step<float>(h, cos, sin, cache, sl, mask);
-    return step<uint16_t>(h, cos, sin, cache, sl, mask);
+    if (dtype_ == at::kFloat) return step<float, float>(x, h, cos, sin, cache, sl, mask);
+    if (cos32) return step<uint16_t, float>(x, h, cos, sin, cache, sl, mask);
+    return step<uint16_t, uint16_t>(x, h, cos, sin, cache, sl, mask);
   }
 
- private:
   template <typename E>
   static E* ptr(torch::Tensor& t) { return static_cast<E*>(t.data_ptr()); }
 
@@ -816,18 +848,20 @@ class DecodeLayer {
       run_packed(x, M, p.K, p.packed, p.scale.defined() ? p.scale.data_ptr<float>() : nullptr, bias, y, p.N);
   }
 
-  template <typename E>
-  torch::Tensor step(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache, const int64_t* sl,
-                     torch::Tensor mask) {
+  template <typename E, typename Cs>
+  torch::Tensor step(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache,
+                     const int64_t* sl, torch::Tensor mask) {
     const int64_t B = h.size(0), T = h.size(1), M = B * T, Hd = hidden_, D = D_;
     const int64_t Dq = H_ * D, Dk = KVH_ * D, Nqkv = qkv_.N, I = gate_up_.N / 2;
     const int64_t C = cache.size(1), S = cache.size(2);
     const auto opts = h.options();
-    auto x = torch::empty({M, Hd}, opts);
     auto qkv = torch::empty({M, Nqkv}, opts);
     auto q = torch::empty({M, H_, D}, opts);  // [B, T, h, D] after RoPE
     const E* hp = ptr<E>(h);
-    rms_norm_impl<E>(hp, ptr<E>(in_norm_), ptr<E>(x), M, Hd, in_eps_);
+    if (!x.defined()) {
+      x = torch::empty({M, Hd}, opts);
+      rms_norm_impl<E>(hp, ptr<E>(in_norm_), ptr<E>(x), M, Hd, in_eps_);
+    }
     project<E>(qkv_, ptr<E>(x), M, ptr<E>(qkv));
     E* QKV = ptr<E>(qkv);
     if (q_norm_.defined())  // Qwen3: per-head RMSNorm before RoPE, in place (each element read before written)
@@ -838,18 +872,18 @@ class DecodeLayer {
       }
     E* Kc = ptr<E>(cache) + 2 * layer_ * KVH_ * S * D;  // [B, kvh, S, D] at channel stride S * D
     E* Vc = Kc + KVH_ * S * D;
-    const E* cp = ptr<E>(cos);
-    const E* sp = ptr<E>(sin);
+    const Cs* cp = ptr<Cs>(cos);
+    const Cs* sp = ptr<Cs>(sin);
     E* Q = ptr<E>(q);
     for (int64_t m = 0; m < M; ++m) {
       const int64_t b = m / T, slot = sl[m];
       const E* row = QKV + m * Nqkv;
-      const E* c = cp + m * D;
-      const E* s = sp + m * D;
-      for (int64_t n = 0; n < H_; ++n) rope_row<E>(row + n * D, c, s, Q + (m * H_ + n) * D, D);
+      const Cs* c = cp + m * D;
+      const Cs* s = sp + m * D;
+      for (int64_t n = 0; n < H_; ++n) rope_row<E, Cs>(row + n * D, c, s, Q + (m * H_ + n) * D, D);
       for (int64_t n = 0; n < KVH_; ++n) {
         const int64_t at = ((b * C) + n) * S * D + slot * D;  // channel n of this layer's keys / values
-        rope_row<E>(row + Dq + n * D, c, s, Kc + at, D);
+        rope_row<E, Cs>(row + Dq + n * D, c, s, Kc + at, D);
         std::memcpy(Vc + at, row + Dq + Dk + n * D, D * sizeof(E));
       }
     }
@@ -869,9 +903,10 @@ class DecodeLayer {
     project<E>(o_, ptr<E>(a), M, ptr<E>(y));
     auto h1 = torch::empty({M, Hd}, opts);
     add_rows<E>(hp, ptr<E>(y), ptr<E>(h1), M * Hd);
-    rms_norm_impl<E>(ptr<E>(h1), ptr<E>(post_norm_), ptr<E>(x), M, Hd, post_eps_);
+    auto xn = torch::empty({M, Hd}, opts);
+    rms_norm_impl<E>(ptr<E>(h1), ptr<E>(post_norm_), ptr<E>(xn), M, Hd, post_eps_);
     auto gu = torch::empty({M, 2 * I}, opts);
-    project<E>(gate_up_, ptr<E>(x), M, ptr<E>(gu));
+    project<E>(gate_up_, ptr<E>(xn), M, ptr<E>(gu));
     auto act = torch::empty({M, I}, opts);
     silu_mul_impl<E>(ptr<E>(gu), ptr<E>(act), M, I);
     project<E>(down_, ptr<E>(act), M, ptr<E>(y));
@@ -902,8 +937,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scale -> float32 [B, H, T, D], each query over the keys its mask allows, row-invariant");
   m.def("argmax", &argmax, "float32 or bf16 x [..., N] -> int64 [...], the first largest value's index (torch.argmax's)");
   py::class_<DecodeLayer>(m, "DecodeLayer", "a generated token's whole Llama / Qwen2 / Qwen3 decoder layer, one call")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, torch::Tensor, double, torch::Tensor, double,
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, c10::optional<torch::Tensor>, double, torch::Tensor, double,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, double, ProjArgs, ProjArgs, ProjArgs,
                     ProjArgs, py::object>())
-      .def("forward", &DecodeLayer::forward, "h [B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]");
+      .def("forward", &DecodeLayer::forward, "h [B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]")
+      .def("forward_input", &DecodeLayer::forward_input, "x [B, T, qkv's K] (the attention's input), residual "
+           "[B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]");
 }

@@ -90,32 +90,40 @@ def merge_ngram(prop: Proposal, ngram: list[list[int]], use: list[bool]) -> Prop
 
 
 class DraftRunner:
-    """Drafting state of a one-layer drafter for a batch: static prefix KV cache + this round's
-    speculative entries. Chains and trees.
+    """Drafting state of a one-layer drafter for a batch: one KV cache holding the prefix entries and,
+    right after them, this round's speculative entries. Chains and trees.
 
     Args:
         drafter: a module with `config` (num_key_value_heads, head_dim, draft_vocab_size, vocab_size),
             `fuse`, `decode` and `draft_to_target`.
-        batch, capacity: rows and max prefix entries of the static cache.
+        batch, capacity: rows and max entries (prefix and speculative) of the cache.
     """
 
     def __init__(self, drafter: nn.Module, batch: int, capacity: int, device: torch.device) -> None:
         c = drafter.config
         self.drafter = drafter
         dtype = next(drafter.parameters()).dtype
-        self.k = torch.zeros(batch, c.num_key_value_heads, capacity, c.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.kv_heads = c.num_key_value_heads
+        # [B, 2 * kvh, S, D]: keys then values (the layout `decode` writes and the CPU one-call layer reads)
+        self.cache = torch.zeros(batch, 2 * self.kv_heads, capacity, c.head_dim, dtype=dtype, device=device)
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # prefix entries per request
         self.draft_vocab = drafter.draft_to_target(torch.arange(c.draft_vocab_size, device=device))  # [N]
         self.vocab_size = c.vocab_size
-        self.spec_k: torch.Tensor | None = None  # [B, kvh, E, D] entries made while speculating
-        self.spec_v: torch.Tensor | None = None
+        self.num_spec = 0  # entries made while speculating this round, at slots lens .. lens + num_spec - 1
         self.logits: torch.Tensor | None = None  # [B, N] draft logits for the token after the root
         self.hidden: torch.Tensor | None = None  # [B, H] output hidden of the root's prefix entry
 
+    @property
+    def k(self) -> torch.Tensor:
+        return self.cache[:, : self.kv_heads]  # [B, kvh, S, D]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.cache[:, self.kv_heads:]  # [B, kvh, S, D]
+
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (finished requests leave the batch)."""
-        self.k, self.v, self.lens = self.k[rows], self.v[rows], self.lens[rows]
+        self.cache, self.lens = self.cache[rows], self.lens[rows]
         self.logits, self.hidden = self.logits[rows], self.hidden[rows]
 
     def to_target(self, idx: torch.Tensor) -> torch.Tensor:
@@ -127,25 +135,26 @@ class DraftRunner:
         out[..., self.draft_vocab] = q
         return out
 
-    def decode(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               spec_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, spec_mask: torch.Tensor,
+               logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft forward on T new entries that see their prefix plus the spec entries in spec_mask.
 
         tokens [B, T] target ids, hidden [B, T, H], positions [B, T], spec_mask [B, T, E+T] bool over
-        (existing spec entries, new entries). The new K/V are appended to the spec entries.
-        Returns (logits [B, T, N], out hidden [B, T, H]).
+        (existing spec entries, new entries); logits_at [B] | None: the one new entry per request whose logits
+        are wanted. The new entries are written after the existing spec entries.
+        Returns (logits [B, T or 1, N], out hidden [B, T, H]).
         """
         B, T = tokens.shape
-        S = int(self.lens.max())
-        pk, pv = self.k[:, :, :S], self.v[:, :, :S]
-        if self.spec_k is not None:
-            pk, pv = torch.cat([pk, self.spec_k], dim=2), torch.cat([pv, self.spec_v], dim=2)
-        prefix = torch.arange(S, device=tokens.device)[None] < self.lens[:, None]  # [B, S]
-        mask = torch.cat([prefix[:, None, :].expand(B, T, S), spec_mask], dim=-1)[:, None]  # [B, 1, T, S+E+T]
-        logits, out, (k, v) = self.drafter.decode(tokens, hidden, positions, (pk, pv), mask)
-        new_k, new_v = k[:, :, -T:], v[:, :, -T:]  # [B, kvh, T, D]
-        self.spec_k = new_k if self.spec_k is None else torch.cat([self.spec_k, new_k], dim=2)
-        self.spec_v = new_v if self.spec_v is None else torch.cat([self.spec_v, new_v], dim=2)
+        E, S = self.num_spec, self.cache.shape[2]
+        if int(self.lens.max()) + E + T > S:
+            raise ValueError(f"draft KV cache overflow: {int(self.lens.max())} prefix + {E + T} speculative "
+                             f"entries > capacity {S}")
+        slots = self.lens[:, None] + E + torch.arange(T, device=tokens.device)  # [B, T]
+        rel = torch.arange(S, device=tokens.device)[None] - self.lens[:, None]  # [B, S] slot relative to the spec
+        seen = spec_mask.gather(2, rel.clamp(0, E + T - 1)[:, None, :].expand(B, T, S))  # [B, T, S]
+        mask = ((rel < 0)[:, None, :] | (seen & (rel < E + T)[:, None, :]))[:, None]  # [B, 1, T, S]
+        logits, out, _ = self.drafter.decode(tokens, hidden, positions, (self.cache, slots), mask, logits_at)
+        self.num_spec = E + T
         return logits, out
 
     @torch.inference_mode()
@@ -155,17 +164,13 @@ class DraftRunner:
         Drops this round's speculative entries and sets `logits` / `hidden` from each request's last entry.
         """
         B, T = tokens.shape
-        self.spec_k = self.spec_v = None
-        offs = torch.arange(T, device=tokens.device)
-        slots = self.lens[:, None] + offs  # [B, T]; padded entries land past the new length
+        self.num_spec = 0  # the new entries overwrite them; padded entries land past the new length
         causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
-        logits, out = self.decode(tokens, self.drafter.fuse(feats), slots, causal)
-        rows = torch.arange(B, device=tokens.device)
-        self.k[rows[:, None], :, slots] = self.spec_k.transpose(1, 2)  # indexed view is [B, T, kvh, D]
-        self.v[rows[:, None], :, slots] = self.spec_v.transpose(1, 2)
-        self.spec_k = self.spec_v = None
+        slots = self.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] rope positions = slots
         last = counts - 1
-        self.logits, self.hidden = logits[rows, last], out[rows, last]  # [B, N], [B, H]
+        logits, out = self.decode(tokens, self.drafter.fuse(feats), slots, causal, last)
+        self.num_spec = 0
+        self.logits, self.hidden = logits[:, 0], out[torch.arange(B, device=tokens.device), last]  # [B, N], [B, H]
         self.lens = self.lens + counts
 
     @torch.inference_mode()
@@ -295,8 +300,7 @@ class ModuleChainRunner:
                 break
             # draft j's entry sits at position lens + j in module (j + 1) % M, after that module's own entries
             r = self.runners[(j + 1) % len(self.runners)]
-            E = 0 if r.spec_k is None else r.spec_k.shape[2]
-            seen = torch.ones(B, 1, E + 1, dtype=torch.bool, device=dev)
+            seen = torch.ones(B, 1, r.num_spec + 1, dtype=torch.bool, device=dev)
             lg, out = r.decode(r.to_target(d)[:, None], h[:, None], (first.lens + j)[:, None], seen)
             logits, h = lg[:, 0], out[:, 0]
         drafts = first.to_target(torch.stack(drafts, dim=1))  # [B, k]

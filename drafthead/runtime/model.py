@@ -270,8 +270,9 @@ class TargetModel:
             a, m = layer.self_attn, layer.mlp
             qkv, gate_up = self.packed(a.q_proj, a.k_proj, a.v_proj), self.packed(m.gate_proj, m.up_proj)
             self._fused[i] = None if qkv is None or gate_up is None else cpu_linear.decode_layer(
-                i, a, layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed(a.o_proj), gate_up,
-                self.packed(m.down_proj))
+                i, a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim, a.head_dim, a.scaling,
+                layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed(a.o_proj), gate_up,
+                self.packed(m.down_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None))
         return self._fused[i]
 
     def project(self, group: tuple[nn.Module, ...], x: torch.Tensor, prefill: bool = False) -> list[torch.Tensor]:
