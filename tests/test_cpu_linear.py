@@ -49,6 +49,9 @@ def test_rows_have_the_same_bits_at_any_row_count_and_position(N: int) -> None:
     for M in (2, 3, 4, 5, 6, 7, 8, 13, 33, 70):
         for start in (0, 70 - M):
             assert torch.equal(cpu_linear.linear(x[start: start + M], packed, N, b), alone[start: start + M]), M
+            # a streamed weight (a target's, prefetched non-temporally) gives the same bits
+            assert torch.equal(cpu_linear.linear(x[start: start + M], packed, N, b, stream=True),
+                               alone[start: start + M]), M
     three_d = cpu_linear.linear(x[:12].view(3, 4, 576), packed, N, b)  # [B, T, K] in, [B, T, N] out
     assert torch.equal(three_d.view(12, N), alone[:12])
 

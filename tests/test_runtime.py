@@ -454,7 +454,7 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
         def args(p):
             return p.packed, p.out_features, p.scale, p.bias
         return ext.DecodeLayer(0, 2, 2, 16, 0.25, norms, 1e-5, norms, 1e-5, q_norm, k_norm, 1e-5,
-                               qkv_args or args(qkv), args(o), args(gate_up), args(down), capsule)
+                               qkv_args or args(qkv), args(o), args(gate_up), args(down), capsule, False)
 
     assert make() is not None
     with pytest.raises(RuntimeError, match="int8 weights need a per-output scale"):
@@ -475,7 +475,7 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
 
         def make_bf16(capsule):
             return ext.DecodeLayer(0, 2, 2, 16, 0.25, norm.bfloat16(), 1e-5, norm.bfloat16(), 1e-5, None, None, 0.0,
-                                   *[(p.packed, p.out_features, None, None) for p in (bq, bo, bgu, bd)], capsule)
+                                   *[(p.packed, p.out_features, None, None) for p in (bq, bo, bgu, bd)], capsule, True)
 
         assert make_bf16(cpu_linear._ext("bf16").LINEAR) is not None
         with pytest.raises(RuntimeError, match="need the bf16 extension's LINEAR capsule"):
@@ -489,7 +489,7 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
     # given x = input_norm(h) and residual h it is the layer's forward, bit for bit
     post = layer.post_attention_layernorm
     bare = ext.DecodeLayer(0, 2, 2, 16, a.scaling, None, 0.0, post.weight.detach(), post.variance_epsilon, None, None,
-                           0.0, *[(p.packed, p.out_features, p.scale, p.bias) for p in (qkv, o, gate_up, down)], None)
+                           0.0, *[(p.packed, p.out_features, p.scale, p.bias) for p in (qkv, o, gate_up, down)], None, False)
     h1 = torch.randn(1, 1, 32)
     step_x = cpu_linear.rms_norm(h1, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
     got_cache, want_cache = cache.clone(), cache.clone()

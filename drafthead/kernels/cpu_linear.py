@@ -164,12 +164,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return ext.pack(weight.detach().cpu())
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bf16 @ packed weight (+ bias, added in fp32 before the one rounding) -> [..., out_features]."""
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+           stream: bool = False) -> torch.Tensor:
+    """x [..., K] bf16 @ packed weight (+ bias, added in fp32 before the one rounding) -> [..., out_features].
+    stream: the weight is read once a forward (a target's), so its lines are prefetched non-temporally and do not
+    evict what is read again (KV cache, activations, a draft's weights); the bits are the same either way."""
     ext = _ext("bf16")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16, got {x.dtype}")
-    y = ext.linear(x.reshape(-1, x.shape[-1]), packed, out_features, bias)  # [rows, N]
+    y = ext.linear(x.reshape(-1, x.shape[-1]), packed, out_features, bias, stream)  # [rows, N]
     return y.view(*x.shape[:-1], out_features)
 
 
@@ -246,7 +249,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def decode_layer(index: int, heads: int, kv_heads: int, head_dim: int, scaling: float, in_norm: nn.Module | None,
                  post_norm: nn.Module, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear,
-                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None):
+                 q_norm: nn.Module | None = None, k_norm: nn.Module | None = None, stream: bool = False):
     """A generated token's whole Llama / Qwen2 / Qwen3 decoder layer in one call (`cpu_linear_avx2.cpp`,
     DecodeLayer): `.forward(h [B, T, H], cos, sin, cache, slots [B, T], mask [B, 1, T, S])` -> [B, T, H], writing
     the tokens' K/V at their slots of layer `index`. The same bits as running the layer op by op with this module's
@@ -255,7 +258,8 @@ def decode_layer(index: int, heads: int, kv_heads: int, head_dim: int, scaling: 
     `variance_epsilon` or drafthead's `eps`); q_norm / k_norm are Qwen3's per-head norms.
     With `in_norm` None the layer runs by `.forward_input(x, residual, cos, sin, cache, slots, mask)`: x [B, T, K]
     is the attention's input as the caller made it (a draft's [norm(embedding); norm(hidden)]), residual [B, T, H]
-    what the attention's output adds to; float32 cos / sin then give a bf16 layer a draft's fp32 RoPE."""
+    what the attention's output adds to; float32 cos / sin then give a bf16 layer a draft's fp32 RoPE.
+    stream: bf16 weights are prefetched non-temporally (`linear`'s stream; a target's layers)."""
     ext = _ext("fp32")
     cap = _ext("bf16").LINEAR if qkv.kind == "bf16" else None
 
@@ -270,7 +274,7 @@ def decode_layer(index: int, heads: int, kv_heads: int, head_dim: int, scaling: 
 
     return ext.DecodeLayer(index, heads, kv_heads, head_dim, float(scaling), weight(in_norm), eps(in_norm),
                            weight(post_norm), eps(post_norm), weight(q_norm), weight(k_norm), eps(q_norm),
-                           proj(qkv), proj(o), proj(gate_up), proj(down), cap)
+                           proj(qkv), proj(o), proj(gate_up), proj(down), cap, stream)
 
 
 def packed_bytes(module: nn.Module) -> int:
@@ -305,9 +309,11 @@ class PackedLinear(nn.Module):
         else:
             raise ValueError(f"no CPU decode kernel for {lin.weight.dtype} layers")
 
+    stream = False  # set by the owner of a weight read once a forward (the target): see `linear`
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "bf16":
-            return linear(x, self.packed, self.out_features, self.bias)
+            return linear(x, self.packed, self.out_features, self.bias, self.stream)
         return linear_fp32(x, self.packed, self.out_features, self.scale, self.bias)
 
 

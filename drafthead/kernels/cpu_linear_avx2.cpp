@@ -701,7 +701,7 @@ torch::Tensor argmax(torch::Tensor x) {
 // through the function pointer that extension exports (capsule "drafthead.bf16_linear").
 
 using Bf16Linear = void (*)(const at::BFloat16*, int64_t, int64_t, const at::BFloat16*, int64_t, const float*,
-                            at::BFloat16*, int64_t);
+                            at::BFloat16*, int64_t, bool);
 using ProjArgs = std::tuple<torch::Tensor, int64_t, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
 
 struct Proj {  // a packed projection: packed weight, outputs, scale (int8 storage only), fp32 bias or undefined
@@ -738,12 +738,12 @@ class DecodeLayer {
   DecodeLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
               c10::optional<torch::Tensor> in_norm, double in_eps, torch::Tensor post_norm, double post_eps, c10::optional<torch::Tensor> q_norm,
               c10::optional<torch::Tensor> k_norm, double qk_eps, ProjArgs qkv, ProjArgs o, ProjArgs gate_up,
-              ProjArgs down, py::object bf16_linear)
+              ProjArgs down, py::object bf16_linear, bool stream_weights)
       : layer_(layer), H_(heads), KVH_(kv_heads), D_(head_dim), scale_(static_cast<float>(scaling)),
         in_eps_(static_cast<float>(in_eps)), post_eps_(static_cast<float>(post_eps)),
         qk_eps_(static_cast<float>(qk_eps)), post_norm_(post_norm.contiguous()),
         qkv_(make_proj(qkv, "qkv")), o_(make_proj(o, "o")), gate_up_(make_proj(gate_up, "gate_up")),
-        down_(make_proj(down, "down")) {
+        down_(make_proj(down, "down")), stream_(stream_weights) {
     dtype_ = post_norm_.scalar_type();
     TORCH_CHECK(dtype_ == at::kFloat || dtype_ == at::kBFloat16, "DecodeLayer: float32 or bfloat16 layers only");
     hidden_ = post_norm_.numel();
@@ -843,7 +843,7 @@ class DecodeLayer {
     const float* bias = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
     if constexpr (std::is_same_v<E, uint16_t>)
       bf16_(reinterpret_cast<const at::BFloat16*>(x), M, p.K, static_cast<const at::BFloat16*>(p.packed.data_ptr()),
-            p.packed.size(0), bias, reinterpret_cast<at::BFloat16*>(y), p.N);
+            p.packed.size(0), bias, reinterpret_cast<at::BFloat16*>(y), p.N, stream_);
     else
       run_packed(x, M, p.K, p.packed, p.scale.defined() ? p.scale.data_ptr<float>() : nullptr, bias, y, p.N);
   }
@@ -920,6 +920,7 @@ class DecodeLayer {
   Proj qkv_, o_, gate_up_, down_;
   at::ScalarType dtype_;
   Bf16Linear bf16_ = nullptr;
+  bool stream_ = false;  // the bf16 kernel prefetches the weights non-temporally (a target's: read once a forward)
 };
 
 }  // namespace
@@ -939,7 +940,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayer>(m, "DecodeLayer", "a generated token's whole Llama / Qwen2 / Qwen3 decoder layer, one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, double, c10::optional<torch::Tensor>, double, torch::Tensor, double,
                     c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, double, ProjArgs, ProjArgs, ProjArgs,
-                    ProjArgs, py::object>())
+                    ProjArgs, py::object, bool>())
       .def("forward", &DecodeLayer::forward, "h [B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]")
       .def("forward_input", &DecodeLayer::forward_input, "x [B, T, qkv's K] (the attention's input), residual "
            "[B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]");

@@ -129,10 +129,13 @@ class TargetModel:
         """Store the group's packed weight: one joined weight where `cpu_linear.concat` can join the parts,
         else each part under its own projection."""
         if len(parts) > 1 and cpu_linear.can_concat(parts):
-            self._packed[group] = cpu_linear.concat(parts)
+            parts = [cpu_linear.concat(parts)]
+            self._packed[group] = parts[0]
         else:
             for proj, part in zip(group, parts):
                 self._packed[(proj,)] = part
+        for part in parts:  # each weight is read once a forward: streamed past the caches
+            part.stream = True
 
     def packed(self, *group: nn.Module) -> cpu_linear.PackedLinear | None:
         """The decode kernel's packed weight for `group` (one projection, or a group of `decode_groups`), made on
@@ -272,7 +275,7 @@ class TargetModel:
             self._fused[i] = None if qkv is None or gate_up is None else cpu_linear.decode_layer(
                 i, a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim, a.head_dim, a.scaling,
                 layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed(a.o_proj), gate_up,
-                self.packed(m.down_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None))
+                self.packed(m.down_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None), stream=True)
         return self._fused[i]
 
     def project(self, group: tuple[nn.Module, ...], x: torch.Tensor, prefill: bool = False) -> list[torch.Tensor]:
