@@ -542,6 +542,18 @@ def test_draft_kv_cache_overflow_and_a_maskless_cache_write_are_named_errors(lla
         kv_cache((r.cache, torch.zeros(1, 1, dtype=torch.long)), k, k, None)
 
 
+def test_causal_attention_mask_is_the_tree_mask_of_a_chain() -> None:
+    """The causal mask (no tree mask) is built by one comparison; it must be the mask of a chain's tree."""
+    from drafthead.runtime.model import attention_mask
+
+    lens, S = torch.tensor([0, 5, 11]), 20
+    for T in (1, 2, 9):
+        chain = torch.ones(T, T, dtype=torch.bool).tril().expand(3, T, T)
+        got = attention_mask(lens, T, S, None)
+        assert got.shape == (3, 1, T, S) and torch.equal(got, attention_mask(lens, T, S, chain)), T
+        assert int(got[1, 0, 0].sum()) == 6 and int(got[2, 0, T - 1].sum()) == 11 + T
+
+
 def test_kv_cache_overflow_is_a_named_error(llama: Target) -> None:
     tm = TargetModel(llama.model)
     cache = tm.new_cache(1, 8)

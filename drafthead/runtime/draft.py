@@ -135,13 +135,15 @@ class DraftRunner:
         out[..., self.draft_vocab] = q
         return out
 
-    def decode(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, spec_mask: torch.Tensor,
-               logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               spec_mask: torch.Tensor | None = None, logits_at: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft forward on T new entries that see their prefix plus the spec entries in spec_mask.
 
         tokens [B, T] target ids, hidden [B, T, H], positions [B, T], spec_mask [B, T, E+T] bool over
-        (existing spec entries, new entries); logits_at [B] | None: the one new entry per request whose logits
-        are wanted. The new entries are written after the existing spec entries.
+        (existing spec entries, new entries), or None: every existing entry and, among the new ones, causally
+        (a chain; one comparison builds that mask); logits_at [B] | None: the one new entry per request whose
+        logits are wanted. The new entries are written after the existing spec entries.
         Returns (logits [B, T or 1, N], out hidden [B, T, H]).
         """
         B, T = tokens.shape
@@ -149,10 +151,15 @@ class DraftRunner:
         if int(self.lens.max()) + E + T > S:
             raise ValueError(f"draft KV cache overflow: {int(self.lens.max())} prefix + {E + T} speculative "
                              f"entries > capacity {S}")
-        slots = self.lens[:, None] + E + torch.arange(T, device=tokens.device)  # [B, T]
-        rel = torch.arange(S, device=tokens.device)[None] - self.lens[:, None]  # [B, S] slot relative to the spec
-        seen = spec_mask.gather(2, rel.clamp(0, E + T - 1)[:, None, :].expand(B, T, S))  # [B, T, S]
-        mask = ((rel < 0)[:, None, :] | (seen & (rel < E + T)[:, None, :]))[:, None]  # [B, 1, T, S]
+        new = torch.arange(T, device=tokens.device)
+        slots = self.lens[:, None] + E + new  # [B, T]
+        keys = torch.arange(S, device=tokens.device)
+        if spec_mask is None:  # entry t sees the slots before its own, itself included
+            mask = (keys < (slots + 1)[:, :, None])[:, None]  # [B, 1, T, S]
+        else:
+            rel = keys[None] - self.lens[:, None]  # [B, S] slot relative to the spec entries
+            seen = spec_mask.gather(2, rel.clamp(0, E + T - 1)[:, None, :].expand(B, T, S))  # [B, T, S]
+            mask = ((rel < 0)[:, None, :] | (seen & (rel < E + T)[:, None, :]))[:, None]  # [B, 1, T, S]
         logits, out, _ = self.drafter.decode(tokens, hidden, positions, (self.cache, slots), mask, logits_at)
         self.num_spec = E + T
         return logits, out
@@ -165,10 +172,9 @@ class DraftRunner:
         """
         B, T = tokens.shape
         self.num_spec = 0  # the new entries overwrite them; padded entries land past the new length
-        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
-        slots = self.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] rope positions = slots
+        positions = self.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] = their slots
         last = counts - 1
-        logits, out = self.decode(tokens, self.drafter.fuse(feats), slots, causal, last)
+        logits, out = self.decode(tokens, self.drafter.fuse(feats), positions, None, last)  # causal
         self.num_spec = 0
         self.logits, self.hidden = logits[:, 0], out[torch.arange(B, device=tokens.device), last]  # [B, N], [B, H]
         self.lens = self.lens + counts
@@ -191,8 +197,7 @@ class DraftRunner:
             if j == k - 1:
                 break
             # draft j's entry sits at position lens + j and sees the prefix and drafts 0..j
-            seen = torch.ones(B, 1, j + 1, dtype=torch.bool, device=dev)
-            lg, out = self.decode(self.to_target(d)[:, None], h[:, None], (self.lens + j)[:, None], seen)
+            lg, out = self.decode(self.to_target(d)[:, None], h[:, None], (self.lens + j)[:, None])
             logits, h = lg[:, 0], out[:, 0]
         drafts = self.to_target(torch.stack(drafts, dim=1))  # [B, k]
         return drafts, (torch.stack(qs, dim=1) if qs else None)
@@ -300,8 +305,7 @@ class ModuleChainRunner:
                 break
             # draft j's entry sits at position lens + j in module (j + 1) % M, after that module's own entries
             r = self.runners[(j + 1) % len(self.runners)]
-            seen = torch.ones(B, 1, r.num_spec + 1, dtype=torch.bool, device=dev)
-            lg, out = r.decode(r.to_target(d)[:, None], h[:, None], (first.lens + j)[:, None], seen)
+            lg, out = r.decode(r.to_target(d)[:, None], h[:, None], (first.lens + j)[:, None])  # sees all of its own
             logits, h = lg[:, 0], out[:, 0]
         drafts = first.to_target(torch.stack(drafts, dim=1))  # [B, k]
         return drafts, (torch.stack(qs, dim=1) if qs else None)

@@ -300,7 +300,8 @@ class _Session:
             r.num_drafted.append(int(prop.depth[b]))
         self.lens = self.lens + accept_len + 1
         self.roots = nxt
-        self.ema = (1 - EMA_ALPHA) * self.ema + EMA_ALPHA * accept_len.float()
+        if self.spec.adaptive:
+            self.ema = (1 - EMA_ALPHA) * self.ema + EMA_ALPHA * accept_len.float()
         if self.draft is None:
             return self.select(self.emit(new))
         # draft entries for the accepted path: (token after node j, target feature of node j), j <= accept_len
@@ -310,7 +311,9 @@ class _Session:
         feats = aux.gather(1, path[:, :T].clamp(min=0)[:, :, None].expand(-1, -1, aux.shape[-1]))  # [B, T, F]
         keep = self.emit(new)
         self.select(keep)
-        if keep:
+        if len(keep) == B:  # every request goes on (no row to drop)
+            self.draft.extend(nxt_tok, feats, accept_len + 1)
+        elif keep:
             rows = torch.tensor(keep, dtype=torch.long, device=self.dev)
             self.draft.extend(nxt_tok[rows], feats[rows], accept_len[rows] + 1)
 

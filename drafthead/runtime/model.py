@@ -351,13 +351,13 @@ def write_kv(dst: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, start: i
 def attention_mask(lens: torch.Tensor, T: int, S: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """Bool [B, 1, T, S]: query i of request b sees its cached prefix (< lens[b]) and, among the T new
     keys at lens[b]..lens[b]+T-1, itself and its ancestors (tree_mask) or everything before it (causal)."""
+    if tree_mask is None:  # causal: query t sees the keys before lens[b] + t + 1 (a few operators fewer a step)
+        limit = lens[:, None] + torch.arange(1, T + 1, device=lens.device)  # [B, T]
+        return (torch.arange(S, device=lens.device) < limit[:, :, None])[:, None]
     B = lens.shape[0]
     rel = torch.arange(S, device=lens.device)[None] - lens[:, None]  # [B, S] key index relative to new block
     prefix = rel < 0  # [B, S]
     in_new = (rel >= 0) & (rel < T)
     relc = rel.clamp(0, T - 1)
-    if tree_mask is None:
-        new = relc[:, None, :] <= torch.arange(T, device=lens.device)[None, :, None]  # [B, T, S] causal
-    else:
-        new = tree_mask.gather(2, relc[:, None, :].expand(B, T, S))  # [B, T, S]
+    new = tree_mask.gather(2, relc[:, None, :].expand(B, T, S))  # [B, T, S]
     return (prefix[:, None, :] | (new & in_new[:, None, :]))[:, None]
