@@ -295,7 +295,8 @@ class Eagle3Drafter(nn.Module):
         return self.fc(x)  # [.., H]
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None,
+               kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+               attn_mask: torch.Tensor | None = None,
                logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the draft layer on T new positions.
 

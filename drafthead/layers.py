@@ -85,8 +85,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        joined = cpu_linear.joined(self.gate_proj, self.up_proj)
-        if joined is not None and not torch.is_grad_enabled():
+        joined = None if torch.is_grad_enabled() else cpu_linear.joined(self.gate_proj, self.up_proj)
+        if joined is not None:
             # a packed draft step on CPU: silu(gate) * up in one call, as the one-call layer computes it
             return self.down_proj(cpu_linear.silu_mul(joined(x)))
         gate, up = project(x, self.gate_proj, self.up_proj)
@@ -105,22 +105,30 @@ def project(x: torch.Tensor, *projs: nn.Module) -> list[torch.Tensor]:
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for integer positions [B, T] -> ([B, 1, T, D], [B, 1, T, D]) (HF 'default' rope), fp32.
 
-    Rows of a table kept per (head_dim, theta, device) and doubled when a position passes its end: a draft step
+    On CPU, rows of a table kept per (head_dim, theta) and doubled when a position passes its end: a draft step
     then indexes two rows instead of running ~10 operators (~80 us of a ~0.8 ms bf16 SmolLM2 draft step on a
     2-core AVX512-BF16 EPYC). The table holds what the formula gives for each position: every element is
-    computed on its own, by the same operators."""
-    key = (head_dim, float(theta), positions.device)
+    computed on its own, by the same operators. Elsewhere (CUDA training) the formula runs directly: sizing a
+    table would read the largest position back to the host every call."""
+    if positions.device.type != "cpu":
+        cos, sin = _rope_rows(positions.float(), head_dim, theta)  # [B, T, D] each
+        return cos[:, None], sin[:, None]
+    key = (head_dim, float(theta))
     top = int(positions.max()) + 1 if positions.numel() else 1
     table = _ROPE_TABLES.get(key)
     if table is None or table.shape[1] < top:
         n = max(1024, 1 << (top - 1).bit_length())
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
-                                    / head_dim))
-        freqs = torch.arange(n, device=positions.device, dtype=torch.float32)[:, None] * inv_freq  # [n, D/2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [n, D]
-        table = _ROPE_TABLES[key] = torch.stack([emb.cos(), emb.sin()])  # [2, n, D]
+        table = _ROPE_TABLES[key] = torch.stack(_rope_rows(torch.arange(n, dtype=torch.float32), head_dim, theta))
     cos_sin = table[:, positions]  # [2, B, T, D]
     return cos_sin[0][:, None], cos_sin[1][:, None]
+
+
+def _rope_rows(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 positions [...] -> (cos, sin) [..., D]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions[..., None] * inv_freq  # [..., D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., D]
+    return emb.cos(), emb.sin()
 
 
 _ROPE_TABLES: dict[tuple, torch.Tensor] = {}

@@ -413,7 +413,8 @@ class MtpDrafter(nn.Module):
 
     # ---- inference: one module with a KV cache -------------------------------------------------
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, attn_mask: torch.Tensor | None = None,
+               kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+               attn_mask: torch.Tensor | None = None,
                logits_at: torch.Tensor | None = None, module: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run module `module` on T new positions (the `Eagle3Drafter.decode` contract).

@@ -736,9 +736,9 @@ void add_rows(const E* a, const E* b, E* y, int64_t n) {  // y = a + b rounded t
 class DecodeLayer {
  public:
   DecodeLayer(int64_t layer, int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling,
-              c10::optional<torch::Tensor> in_norm, double in_eps, torch::Tensor post_norm, double post_eps, c10::optional<torch::Tensor> q_norm,
-              c10::optional<torch::Tensor> k_norm, double qk_eps, ProjArgs qkv, ProjArgs o, ProjArgs gate_up,
-              ProjArgs down, py::object bf16_linear, bool stream_weights)
+              c10::optional<torch::Tensor> in_norm, double in_eps, torch::Tensor post_norm, double post_eps,
+              c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, double qk_eps, ProjArgs qkv,
+              ProjArgs o, ProjArgs gate_up, ProjArgs down, py::object bf16_linear, bool stream_weights)
       : layer_(layer), H_(heads), KVH_(kv_heads), D_(head_dim), scale_(static_cast<float>(scaling)),
         in_eps_(static_cast<float>(in_eps)), post_eps_(static_cast<float>(post_eps)),
         qk_eps_(static_cast<float>(qk_eps)), post_norm_(post_norm.contiguous()),
@@ -755,8 +755,8 @@ class DecodeLayer {
     TORCH_CHECK(D_ % 8 == 0 && H_ % KVH_ == 0, "DecodeLayer: head_dim a multiple of 8, kv heads dividing heads");
     // without an input norm the caller gives the attention's input itself (`forward_input`), of any width
     TORCH_CHECK(qkv_.N == (H_ + 2 * KVH_) * D_ && (!in_norm_.defined() || qkv_.K == hidden_) && o_.N == hidden_ &&
-                o_.K == H_ * D_ &&
-                gate_up_.K == hidden_ && gate_up_.N % 2 == 0 && down_.K == gate_up_.N / 2 && down_.N == hidden_,
+                o_.K == H_ * D_ && gate_up_.K == hidden_ && gate_up_.N % 2 == 0 && down_.K == gate_up_.N / 2 &&
+                down_.N == hidden_,
                 "DecodeLayer: the projections' shapes do not make one layer");
     if (q_norm.has_value() && q_norm->defined()) {
       TORCH_CHECK(k_norm.has_value() && k_norm->defined(), "DecodeLayer: q_norm without k_norm");
@@ -938,9 +938,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "scale -> float32 [B, H, T, D], each query over the keys its mask allows, row-invariant");
   m.def("argmax", &argmax, "float32 or bf16 x [..., N] -> int64 [...], the first largest value's index (torch.argmax's)");
   py::class_<DecodeLayer>(m, "DecodeLayer", "a generated token's whole Llama / Qwen2 / Qwen3 decoder layer, one call")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, c10::optional<torch::Tensor>, double, torch::Tensor, double,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, double, ProjArgs, ProjArgs, ProjArgs,
-                    ProjArgs, py::object, bool>())
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, double, c10::optional<torch::Tensor>, double, torch::Tensor,
+                    double, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, double, ProjArgs, ProjArgs,
+                    ProjArgs, ProjArgs, py::object, bool>())
       .def("forward", &DecodeLayer::forward, "h [B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]")
       .def("forward_input", &DecodeLayer::forward_input, "x [B, T, qkv's K] (the attention's input), residual "
            "[B, T, hidden], cos, sin, cache, slots [B, T], mask -> [B, T, hidden]");
