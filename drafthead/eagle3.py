@@ -22,7 +22,7 @@ from torch import nn
 
 from drafthead.family import Family
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, one_call_layer, project,
-                              rope_cos_sin, shift, soft_cross_entropy, ttt_attention)
+                              rope_cos_sin, shift, soft_cross_entropy, take_rows, ttt_attention)
 from drafthead.vocab import target_to_draft
 
 
@@ -329,8 +329,7 @@ class Eagle3Drafter(nn.Module):
             kvh = c.num_key_value_heads
             o = cached_attention(q, cache[:, :kvh], cache[:, kvh:], attn_mask)  # [B, h, T, D]
             out = layer.post(o.transpose(1, 2).reshape(B, T, -1), residual)  # [B, T, H]
-        rows = out if logits_at is None else out[torch.arange(B, device=out.device), logits_at][:, None]
-        return self.lm_head(self.norm(rows)), out, cache
+        return self.lm_head(self.norm(take_rows(out, logits_at))), out, cache
 
 
 # ---- the family record: what the trainer, runtime and exporters ask of EAGLE3 -----------------------

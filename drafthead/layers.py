@@ -148,6 +148,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rot * sin).to(x.dtype)
 
 
+def write_kv(dst: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, start: int | None) -> None:
+    """dst [B, kvh, S, D] <- new [B, kvh, T, D] at per-request slots [B, T] (a slice when aligned)."""
+    if start is not None:
+        dst[:, :, start: start + new.shape[2]] = new
+    else:
+        rows = torch.arange(dst.shape[0], device=dst.device)[:, None]  # [B, 1]
+        dst[rows, :, slots] = new.transpose(1, 2)  # indexed view is [B, T, kvh, D]
+
+
+def take_rows(x: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
+    """x [B, T, ...] -> x[b, at[b]] as [B, 1, ...] (the one row per request whose logits are wanted); x if at is None."""
+    return x if at is None else x[torch.arange(x.shape[0], device=x.device), at][:, None]
+
+
 def kv_cache(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor,
              mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Put a draft step's new keys and values into its KV cache; returns (cache, mask) to attend with.
@@ -164,9 +178,8 @@ def kv_cache(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, k: tor
         cache, slots = kv
         if mask is None:
             raise ValueError("decode into a KV cache at slots needs the attention mask over the cache")
-        rows = torch.arange(B, device=k.device)[:, None]  # [B, 1]
-        cache[rows, :kvh, slots] = k.transpose(1, 2).to(cache.dtype)  # indexed view is [B, T, kvh, D]
-        cache[rows, kvh:, slots] = v.transpose(1, 2).to(cache.dtype)
+        write_kv(cache[:, :kvh], k.to(cache.dtype), slots, None)
+        write_kv(cache[:, kvh:], v.to(cache.dtype), slots, None)
         return cache, mask
     new = torch.cat([k, v], dim=1)  # [B, 2*kvh, T, D]
     cache = new if kv is None else torch.cat([kv, new], dim=2)  # [B, 2*kvh, S, D]
@@ -187,7 +200,8 @@ def one_call_layer(owner: nn.Module, heads: int, kv_heads: int, head_dim: int, p
         qkv = cpu_linear.joined(q_proj, k_proj, v_proj)
         gate_up = cpu_linear.joined(mlp.gate_proj, mlp.up_proj)
         packed = all(isinstance(p, cpu_linear.PackedLinear) for p in (o_proj, mlp.down_proj))
-        kinds = {p.kind for p in (qkv, gate_up, o_proj, mlp.down_proj)} if qkv and gate_up and packed else set()
+        joins = qkv is not None and gate_up is not None and packed
+        kinds = {p.kind for p in (qkv, gate_up, o_proj, mlp.down_proj)} if joins else set()
         ok = (kinds in ({"bf16"}, {"fp32"}) and head_dim % 8 == 0 and cpu_linear.available("fp32")
               and post_norm.weight.dtype == (torch.bfloat16 if kinds == {"bf16"} else torch.float32))
         cache["layer"] = cpu_linear.decode_layer(0, heads, kv_heads, head_dim, head_dim ** -0.5, None, post_norm, qkv,

@@ -44,7 +44,7 @@ from torch import nn
 
 from drafthead.family import Family
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, rope_cos_sin, shift,
-                              soft_cross_entropy, ttt_attention)
+                              soft_cross_entropy, take_rows, ttt_attention)
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
 
 FASTMTP_STEP_WEIGHTS = [0.51, 0.31, 0.18]  # TencentBAC/FastMTP mtp_loss_step_weights for K = 3
@@ -430,7 +430,6 @@ class MtpDrafter(nn.Module):
         """
         m = self.layers[module % len(self.layers)]
         attn = m.self_attn
-        B = input_ids.shape[0]
         x = m.mix(self.embed_tokens(input_ids).to(m.eh_proj.weight.dtype), hidden)  # [B, T, H]
         xn = m.input_layernorm(x)
         q, gate = attn.q(xn, positions)
@@ -440,8 +439,7 @@ class MtpDrafter(nn.Module):
         o = cached_attention(q, cache[:, :kvh], cache[:, kvh:], attn_mask)  # [B, h, T, D]
         out = m.finish(x, attn.out(o, gate))  # [B, T, H]
         normed = m.shared_head.norm(out)
-        rows = normed if logits_at is None else normed[torch.arange(B, device=out.device), logits_at][:, None]
-        return m.shared_head.head(rows), (normed if self.config.chain_normed else out), cache
+        return m.shared_head.head(take_rows(normed, logits_at)), (normed if self.config.chain_normed else out), cache
 
 
 # ---------------------------------------------------------------------------------------------------

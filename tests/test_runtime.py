@@ -496,6 +496,9 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
     got = bare.forward_input(step_x, h1, cos + 1, sin, got_cache, slots, mask)
     assert torch.equal(got, step.forward(h1, cos + 1, sin, want_cache, slots, mask))
     assert torch.equal(got_cache, want_cache) and got_cache.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="the two norms differ in size"):
+        ext.DecodeLayer(0, 2, 2, 16, 0.25, torch.ones(16), 1e-5, norm, 1e-5, None, None, 0.0,
+                        *[(p.packed, p.out_features, p.scale, p.bias) for p in (qkv, o, gate_up, down)], None, False)
     with pytest.raises(RuntimeError, match="runs by forward_input"):
         bare.forward(h, cos, sin, cache, slots, mask)
     with pytest.raises(RuntimeError, match="x must be"):
@@ -552,6 +555,11 @@ def test_causal_attention_mask_is_the_tree_mask_of_a_chain() -> None:
         got = attention_mask(lens, T, S, None)
         assert got.shape == (3, 1, T, S) and torch.equal(got, attention_mask(lens, T, S, chain)), T
         assert int(got[1, 0, 0].sum()) == 6 and int(got[2, 0, T - 1].sum()) == 11 + T
+        # a draft step's block: E earlier speculative entries, all seen, then the T new ones causally = the
+        # causal mask of the new ones alone from slot lens + E
+        for E in (1, 3):
+            block = torch.cat([torch.ones(3, T, E, dtype=torch.bool), chain], dim=-1)  # [B, T, E+T]
+            assert torch.equal(attention_mask(lens, T, S, block), attention_mask(lens + E, T, S, None)), (T, E)
 
 
 def test_kv_cache_overflow_is_a_named_error(llama: Target) -> None:

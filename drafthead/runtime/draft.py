@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafthead.layers import take_rows
+from drafthead.runtime.model import attention_mask
 from drafthead.runtime.sampling import greedy, probs, sample
 
 
@@ -146,20 +148,16 @@ class DraftRunner:
         logits are wanted. The new entries are written after the existing spec entries.
         Returns (logits [B, T or 1, N], out hidden [B, T, H]).
         """
-        B, T = tokens.shape
+        T = tokens.shape[1]
         E, S = self.num_spec, self.cache.shape[2]
         if int(self.lens.max()) + E + T > S:
             raise ValueError(f"draft KV cache overflow: {int(self.lens.max())} prefix + {E + T} speculative "
                              f"entries > capacity {S}")
-        new = torch.arange(T, device=tokens.device)
-        slots = self.lens[:, None] + E + new  # [B, T]
-        keys = torch.arange(S, device=tokens.device)
-        if spec_mask is None:  # entry t sees the slots before its own, itself included
-            mask = (keys < (slots + 1)[:, :, None])[:, None]  # [B, 1, T, S]
-        else:
-            rel = keys[None] - self.lens[:, None]  # [B, S] slot relative to the spec entries
-            seen = spec_mask.gather(2, rel.clamp(0, E + T - 1)[:, None, :].expand(B, T, S))  # [B, T, S]
-            mask = ((rel < 0)[:, None, :] | (seen & (rel < E + T)[:, None, :]))[:, None]  # [B, 1, T, S]
+        slots = self.lens[:, None] + E + torch.arange(T, device=tokens.device)  # [B, T]
+        if spec_mask is None:  # causal from the new entries' first slot: they see every earlier slot
+            mask = attention_mask(self.lens + E, T, S, None)  # [B, 1, T, S]
+        else:  # a block of the E spec entries and the T new ones after the prefix
+            mask = attention_mask(self.lens, T, S, spec_mask)
         logits, out, _ = self.drafter.decode(tokens, hidden, positions, (self.cache, slots), mask, logits_at)
         self.num_spec = E + T
         return logits, out
@@ -170,13 +168,13 @@ class DraftRunner:
 
         Drops this round's speculative entries and sets `logits` / `hidden` from each request's last entry.
         """
-        B, T = tokens.shape
+        T = tokens.shape[1]
         self.num_spec = 0  # the new entries overwrite them; padded entries land past the new length
         positions = self.lens[:, None] + torch.arange(T, device=tokens.device)  # [B, T] = their slots
         last = counts - 1
         logits, out = self.decode(tokens, self.drafter.fuse(feats), positions, None, last)  # causal
         self.num_spec = 0
-        self.logits, self.hidden = logits[:, 0], out[torch.arange(B, device=tokens.device), last]  # [B, N], [B, H]
+        self.logits, self.hidden = logits[:, 0], take_rows(out, last)[:, 0]  # [B, N], [B, H]
         self.lens = self.lens + counts
 
     @torch.inference_mode()

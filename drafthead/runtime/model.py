@@ -17,7 +17,7 @@ from torch import nn
 
 from drafthead import hardware
 from drafthead.kernels import cpu_linear
-from drafthead.layers import apply_rope
+from drafthead.layers import apply_rope, take_rows, write_kv
 from drafthead.target import base_model, check_layer_ids, decoder_layers
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -217,7 +217,7 @@ class TargetModel:
         ops = self.decode_ops and not prefill
         last = rms_norm(self.base.norm, h, ops) if capture and self.capture_last else None  # [B, T, H]
         if logits_at is not None:
-            h = h[torch.arange(B, device=h.device), logits_at][:, None]  # [B, 1, H]
+            h = take_rows(h, logits_at)  # [B, 1, H]
         logits = self.linear(self.model.lm_head, rms_norm(self.base.norm, h, ops), prefill)  # [B, T, V]
         aux = None
         if capture and self.aux_layer_ids:
@@ -339,25 +339,19 @@ def rms_norm(norm: nn.Module, x: torch.Tensor, kernel: bool = False) -> torch.Te
     return norm.weight * y.to(x.dtype)
 
 
-def write_kv(dst: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, start: int | None) -> None:
-    """dst [B, kvh, S, D] <- new [B, kvh, T, D] at per-request slots [B, T] (a slice when aligned)."""
-    if start is not None:
-        dst[:, :, start: start + new.shape[2]] = new
-    else:
-        rows = torch.arange(dst.shape[0], device=dst.device)[:, None]  # [B, 1]
-        dst[rows, :, slots] = new.transpose(1, 2)  # indexed view is [B, T, kvh, D]
-
-
 def attention_mask(lens: torch.Tensor, T: int, S: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """Bool [B, 1, T, S]: query i of request b sees its cached prefix (< lens[b]) and, among the T new
-    keys at lens[b]..lens[b]+T-1, itself and its ancestors (tree_mask) or everything before it (causal)."""
+    """Bool [B, 1, T, S]: query i of request b sees its cached prefix (< lens[b]) and, among the block of N keys
+    at lens[b]..lens[b]+N-1, the ones tree_mask [B, T, N] allows (N >= T: a verify block's tree is N = T; a draft
+    step's block also holds the round's earlier speculative entries), or (None) every block key up to its own at
+    lens[b] + i (causal, N = T)."""
     if tree_mask is None:  # causal: query t sees the keys before lens[b] + t + 1 (a few operators fewer a step)
         limit = lens[:, None] + torch.arange(1, T + 1, device=lens.device)  # [B, T]
         return (torch.arange(S, device=lens.device) < limit[:, :, None])[:, None]
     B = lens.shape[0]
     rel = torch.arange(S, device=lens.device)[None] - lens[:, None]  # [B, S] key index relative to new block
     prefix = rel < 0  # [B, S]
-    in_new = (rel >= 0) & (rel < T)
-    relc = rel.clamp(0, T - 1)
-    new = tree_mask.gather(2, relc[:, None, :].expand(B, T, S))  # [B, T, S]
+    N = tree_mask.shape[-1]
+    in_new = (rel >= 0) & (rel < N)
+    relc = rel.clamp(0, N - 1)
+    new = tree_mask.gather(2, relc[:, None, :].expand(B, T, S))  # [B, T, S] query i's view of the block
     return (prefix[:, None, :] | (new & in_new[:, None, :]))[:, None]
