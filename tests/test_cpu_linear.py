@@ -3,6 +3,9 @@ or int8 weights) agree with an fp64 reference, give a row the same bits at any r
 runtime falls back to oneDNN when they are unavailable."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -215,19 +218,39 @@ def test_compressed_weights_on_a_bf16_layer_are_a_named_error() -> None:
         cpu_linear.PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), "int8")
 
 
+@contextlib.contextmanager
+def avx512_bf16_ops(on: bool) -> Iterator[None]:
+    """bf16 attention and SiLU on their AVX512-BF16 code (on) or their AVX2 code, for the block."""
+    if on and not cpu_linear.avx512_bf16_ops():
+        pytest.skip("the CPU has no AVX512-BF16: bf16 attention and SiLU run their AVX2 code only")
+    before = cpu_linear.avx512_bf16_ops()
+    try:
+        assert cpu_linear.avx512_bf16_ops(on) == on
+        yield
+    finally:
+        cpu_linear.avx512_bf16_ops(before)
+
+
 def attention_reference(q, k, v, mask, scale):
     return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask,
                                                             scale=scale, enable_gqa=True)
 
 
 @needs_fp32_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 2, 8), (2, 1, 24)])
+@pytest.mark.parametrize("dtype,dot", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16-fma", "bf16-vdpbf16ps"])
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 2, 8), (2, 1, 24), (2, 1, 40)])
 def test_fp32_attention_matches_fp64_and_ignores_row_count_and_capacity(H: int, KVH: int, D: int,
-                                                                         dtype: torch.dtype) -> None:
+                                                                         dtype: torch.dtype, dot: bool) -> None:
     """Causal and tree masks, requests at different lengths, k/v as views of a runtime-style cache, fp32 or bf16
-    inputs: within fp32 rounding of fp64 SDPA of the same values; a query alone, inside a block and against a
-    larger cache (more masked keys) gives the same bits."""
+    inputs (bf16 by FMAs of widened values, or by `vdpbf16ps` where the CPU has it): within fp32 rounding of fp64
+    SDPA of the same values; a query alone, inside a block and against a larger cache (more masked keys) gives the
+    same bits."""
+    with avx512_bf16_ops(dot):
+        check_attention(H, KVH, D, dtype)
+
+
+def check_attention(H: int, KVH: int, D: int, dtype: torch.dtype) -> None:
     from drafthead.runtime.model import attention_mask
 
     g = torch.Generator().manual_seed(H + D)
@@ -299,12 +322,18 @@ def test_concat_refuses_parts_it_cannot_join() -> None:
 
 
 @needs_fp32_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_ops_match_torch_and_ignore_row_count(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,avx512", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16-avx2", "bf16-avx512"])
+def test_small_ops_match_torch_and_ignore_row_count(dtype: torch.dtype, avx512: bool) -> None:
     """The one-call RMSNorm, RoPE and SiLU-and-multiply of generated tokens against the torch ops the runtime runs
-    for prompts: bf16 bit for bit (the roundings sit where torch's ops round), RoPE in fp32 too, the rest within
-    fp32 rounding (another summation order; a polynomial exp). A row's bits do not depend on the rows beside it.
-    Widths off the vector width (577, 24, 1541) take the scalar tails."""
+    for prompts: bf16 bit for bit (the roundings sit where torch's ops round; SiLU by its AVX2 code and by its
+    AVX512-BF16 code), RoPE in fp32 too, the rest within fp32 rounding (another summation order; a polynomial exp).
+    A row's bits do not depend on the rows beside it. Widths off the vector width (577, 24, 1541) take the tails."""
+    with avx512_bf16_ops(avx512):
+        check_small_ops(dtype)
+
+
+def check_small_ops(dtype: torch.dtype) -> None:
     from drafthead.layers import apply_rope
     from drafthead.runtime.model import rms_norm
 

@@ -22,6 +22,7 @@ constexpr int64_t kLanes = 16;  // outputs per packed block
 constexpr int64_t kPrefetch = 32;  // k-pairs ahead (8 was slower at 2-8 rows than 16, 16 than 32)
 constexpr int64_t kGroup = 4;      // blocks stored side by side per k-pair (8 helped a lone row, slowed 2-8 rows)
 constexpr int kRows = 6;        // rows of x per tile (6 x 4 accumulators + 4 weights + 1 broadcast = 29 zmm)
+constexpr int64_t kChunk = 32;  // k-pairs per chunk when rows take several tiles (16 and 64 gained less at 7-12 rows)
 
 torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2, "pack: weight must be a bf16 [N, K] tensor");
@@ -36,16 +37,19 @@ torch::Tensor pack(torch::Tensor w) {
   return torch::cat(groups).view({NB, K / 2, kLanes, 2});  // the shape of the blocks, the bytes in group order
 }
 
-// Rows m0..m0+R-1 of x against packed blocks b0..b0+B-1.
+// Rows m0..m0+R-1 of x against packed blocks b0..b0+B-1, over k-pairs kp0..kp1-1: the fp32 accumulators start at
+// zero (first) or from acc [R][B][16] and go back there (exactly: fp32 through memory), so a call over the whole of
+// K and one over K in chunks give the same bits.
 // NT: the weight is streamed (read once a forward, far more bytes than the caches hold: a target's); its lines are
 // prefetched non-temporally so that they do not evict what is read again (the KV cache, activations, a draft's
 // weights). A/B in one process on the AVX512-BF16 EPYC, bf16 SmolLM2 with its EAGLE3 draft, 4 MT-Bench-style
 // prompts x 96 tokens x 3 rounds: AR 104.3 -> 113.4 tok/s, chain 111.2 -> 133.6 tok/s; a pass over the target's
 // projections 1-7% faster at 1-16 rows. Whether a draft's weights are streamed too made no difference beyond the
 // noise (16 MT-Bench prompts, three variants taking turns), so drafts keep ordinary prefetches.
-template <int R, int B, bool NT>
-inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, const float* bias, int64_t b0,
-                 at::BFloat16* y, int64_t N, int64_t m0) {
+// PF: prefetch ahead (a chunk's second tile finds its lines in L1 and does not).
+template <int R, int B, bool NT, bool PF>
+inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, int64_t b0, int64_t N, int64_t m0,
+                 int64_t kp0, int64_t kp1, float* acc_mem, bool first) {
   const int64_t KP = K / 2, NB = (N + kLanes - 1) / kLanes;
   const at::BFloat16* base[B];  // block b0+j's k-pair 0, and the distance to its next k-pair (its group's width)
   int64_t kstride[B];
@@ -54,18 +58,23 @@ inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, const 
     base[j] = p + g0 * KP * 2 * kLanes + (b0 + j - g0) * 2 * kLanes;
     kstride[j] = std::min<int64_t>(kGroup, NB - g0) * 2 * kLanes;
   }
+  // The accumulators enter and leave their registers once, at constant indices: indexed at run time in a loop,
+  // they may make GCC keep acc in memory and store it on every k, as it did in the fp32 kernel.
   __m512 acc[R][B];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < B; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < B; ++j)
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_load_ps(acc_mem + (i * B + j) * kLanes);
   const int32_t* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = reinterpret_cast<const int32_t*>(x + (m0 + i) * K);
-  for (int64_t kp = 0; kp < KP; ++kp) {
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    if constexpr (PF) {
 #pragma GCC unroll 8
-    for (int j = 0; j < B; ++j)  // one 64-byte line per block and k-pair: fetch a few pairs ahead
-      _mm_prefetch(reinterpret_cast<const char*>(base[j] + (kp + kPrefetch) * kstride[j]),
-                   NT ? _MM_HINT_NTA : _MM_HINT_T0);
+      for (int j = 0; j < B; ++j)  // one 64-byte line per block and k-pair: fetch a few pairs ahead
+        _mm_prefetch(reinterpret_cast<const char*>(base[j] + (kp + kPrefetch) * kstride[j]),
+                     NT ? _MM_HINT_NTA : _MM_HINT_T0);
+    }
     __m512i w[B];
 #pragma GCC unroll 8
     for (int j = 0; j < B; ++j) w[j] = _mm512_loadu_si512(static_cast<const void*>(base[j] + kp * kstride[j]));
@@ -76,44 +85,69 @@ inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, const 
       for (int j = 0; j < B; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)w[j]);
     }
   }
-  // The accumulators leave their registers once, at constant indices: read in the loop below (run-time j), they
-  // may make GCC keep acc in memory and store it on every k, as it did in the fp32 kernel.
-  alignas(64) float out[R][B][kLanes];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < B; ++j) _mm512_store_ps(out[i][j], acc[i][j]);
+    for (int j = 0; j < B; ++j) _mm512_store_ps(acc_mem + (i * B + j) * kLanes, acc[i][j]);
+}
+
+// y's rows m0..m0+R-1, blocks b0..b0+B-1 = acc [R][B][16] + bias, rounded once to bf16.
+inline void finish(const float* acc_mem, int R, int B, const float* bias, int64_t b0, at::BFloat16* y, int64_t N,
+                   int64_t m0) {
   for (int j = 0; j < B; ++j) {
     const int64_t n = (b0 + j) * kLanes;
     const int64_t valid = std::min<int64_t>(kLanes, N - n);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bj = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
     for (int i = 0; i < R; ++i) {
-      const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(out[i][j]), bj));
+      const __m512 a = _mm512_load_ps(acc_mem + (i * B + j) * kLanes);
+      const __m256i o = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a, bj));
       _mm256_mask_storeu_epi16(static_cast<void*>(y + (m0 + i) * N + n), mask, o);
     }
   }
 }
 
-// Blocks b0..b0+B-1 (one group, or a lone block) for every row. A lone row (a decode step) takes them in one tile:
-// 4 independent dot-product chains, each weight line read once. More rows go in tiles of up to kRows rows x 4
-// blocks over the same blocks in turn, so the blocks come from memory once and from L1/L2 after.
+template <int B, bool NT, bool PF>
+inline void tile_of(int R, const at::BFloat16* x, int64_t K, const at::BFloat16* p, int64_t b0, int64_t N, int64_t m0,
+                    int64_t kp0, int64_t kp1, float* acc_mem, bool first) {
+  switch (R) {
+    case 6: tile<6, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
+    case 5: tile<5, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
+    case 4: tile<4, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
+    case 3: tile<3, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
+    case 2: tile<2, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
+    default: tile<1, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
+  }
+}
+
+// Blocks b0..b0+B-1 (one group, or a lone block) for every row, in tiles of up to kRows rows (a lone row: 4
+// independent dot-product chains), each tile over the whole of K in turn, so the blocks come from memory once and
+// from L1/L2 after; except at kRows+1 .. 2*kRows rows, where the two tiles take K in chunks of kChunk k-pairs, both
+// over one chunk before the next, so the second finds the chunk's lines in L1. One tile after the other had read a
+// group's lines twice from memory there (a group of SmolLM2's K = 576 is 72 KB, more than L1; the non-temporal
+// prefetch keeps it out of L2). A pass over SmolLM2's projections and head at 7 / 8 rows: 8.52 / 8.52 -> 7.43 / 7.77
+// ms, 1 row 7.25 / 7.35; at 16 rows chunking three tiles was slower than this (10.9-11.7 against 10.3 ms), so it
+// stays with two (A/B in one process, AVX512-BF16 EPYC, 2 threads; the VM's memory read 35-41 GB/s across runs).
 template <int B, bool NT>
 inline void rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* p, const float* bias, int64_t b0,
                  at::BFloat16* y, int64_t N) {
-  constexpr int S = B >= 4 ? 4 : 1;
-  if (M == 1) { tile<1, B, NT>(x, K, p, bias, b0, y, N, 0); return; }
-  for (int j = 0; j < B; j += S) {
-    int64_t m = 0;
-    for (; m + kRows <= M; m += kRows) tile<kRows, S, NT>(x, K, p, bias, b0 + j, y, N, m);
-    switch (M - m) {
-      case 5: tile<5, S, NT>(x, K, p, bias, b0 + j, y, N, m); break;
-      case 4: tile<4, S, NT>(x, K, p, bias, b0 + j, y, N, m); break;
-      case 3: tile<3, S, NT>(x, K, p, bias, b0 + j, y, N, m); break;
-      case 2: tile<2, S, NT>(x, K, p, bias, b0 + j, y, N, m); break;
-      case 1: tile<1, S, NT>(x, K, p, bias, b0 + j, y, N, m); break;
-      default: break;
+  const int64_t KP = K / 2;
+  alignas(64) float acc[2 * kRows * B * kLanes];
+  if (M > kRows && M <= 2 * kRows) {
+    const int R2 = static_cast<int>(M - kRows);
+    for (int64_t k0 = 0; k0 < KP; k0 += kChunk) {
+      const int64_t k1 = std::min(KP, k0 + kChunk);
+      tile<kRows, B, NT, true>(x, K, p, b0, N, 0, k0, k1, acc, k0 == 0);
+      tile_of<B, NT, false>(R2, x, K, p, b0, N, kRows, k0, k1, acc + kRows * B * kLanes, k0 == 0);
     }
+    finish(acc, kRows, B, bias, b0, y, N, 0);
+    finish(acc + kRows * B * kLanes, R2, B, bias, b0, y, N, kRows);
+    return;
+  }
+  for (int64_t m = 0; m < M; m += kRows) {
+    const int R = static_cast<int>(std::min<int64_t>(kRows, M - m));
+    tile_of<B, NT, true>(R, x, K, p, b0, N, m, 0, KP, acc, true);
+    finish(acc, R, B, bias, b0, y, N, m);
   }
 }
 

@@ -218,9 +218,18 @@ def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
                    ) -> torch.Tensor:
     """Attention of generated tokens, each query over the keys its mask allows (row-invariant: a
     token's output does not depend on how many queries share the call or on the cache capacity), in fp32.
-    q [B, h, T, D] (D a multiple of 8); k, v [B, kvh, S, D] (views of the cache), all fp32 or all bf16 (read
-    exactly as fp32); mask [B, 1, T, S] bool. Returns fp32 [B, h, T, D]; bf16 callers round it once."""
+    q [B, h, T, D] (D a multiple of 8); k, v [B, kvh, S, D] (views of the cache), all fp32 or all bf16;
+    mask [B, 1, T, S] bool. Returns fp32 [B, h, T, D]; bf16 callers round it once. fp32 math; bf16 inputs on a
+    CPU with AVX512-BF16 (head_dim <= 128) go through `vdpbf16ps`, the probabilities as bf16 pairs (~2^-17), see
+    `avx512_bf16_ops`."""
     return _ext("fp32").attention(q, k, v, mask, scale)
+
+
+def avx512_bf16_ops(on: bool | None = None) -> bool:
+    """Whether bf16 attention and SiLU (here and in the fused layers) run their AVX512-BF16 code: the CPU has it and
+    it is not turned off. `on` turns it on or off for the process (tests run both paths). The choice never depends
+    on the row count, so either way a token gets the same bits alone or in a block."""
+    return bool(_ext("fp32").avx512_bf16(on))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
