@@ -18,6 +18,25 @@ needs_fp32_kernel = pytest.mark.skipif(not cpu_linear.available("fp32"),
                                        reason=f"fp32 CPU kernel unavailable: {cpu_linear.unavailable_reason('fp32')}")
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_kernels_build_where_a_compiler_and_the_cpu_allow(kind: str) -> None:
+    """A kernel that fails to compile falls back to oneDNN with a warning and its tests skip, which would keep CI
+    green on a broken kernel; where a compiler and ninja exist, a build failure is a failure here."""
+    import shutil
+
+    from torch.utils.cpp_extension import is_ninja_available
+
+    why = cpu_linear.unavailable_reason(kind)
+    if why is None:
+        assert cpu_linear.available(kind)
+        return
+    if not why.startswith("building the extension failed"):
+        pytest.skip(why)  # not for this CPU, or turned off
+    if not (shutil.which("c++") or shutil.which("g++")) or not is_ninja_available():
+        pytest.skip(f"no C++ compiler or ninja here: {why}")
+    pytest.fail(f"the {kind} kernel does not build: {why}")
+
+
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = x.double() @ w.double().t()  # [M, N]
     return y + b.double() if b is not None else y
