@@ -256,16 +256,16 @@ def attention_reference(q, k, v, mask, scale):
 
 
 @needs_fp32_kernel
-@pytest.mark.parametrize("dtype,dot", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-                         ids=["fp32", "bf16-fma", "bf16-vdpbf16ps"])
+@pytest.mark.parametrize("dtype,avx512", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["fp32", "bf16-avx2", "bf16-avx512"])
 @pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (8, 2, 8), (2, 1, 24), (2, 1, 40)])
 def test_fp32_attention_matches_fp64_and_ignores_row_count_and_capacity(H: int, KVH: int, D: int,
-                                                                         dtype: torch.dtype, dot: bool) -> None:
+                                                                         dtype: torch.dtype, avx512: bool) -> None:
     """Causal and tree masks, requests at different lengths, k/v as views of a runtime-style cache, fp32 or bf16
     inputs (bf16 by FMAs of widened values, or by `vdpbf16ps` where the CPU has it): within fp32 rounding of fp64
     SDPA of the same values; a query alone, inside a block and against a larger cache (more masked keys) gives the
     same bits."""
-    with avx512_bf16_ops(dot):
+    with avx512_bf16_ops(avx512):
         check_attention(H, KVH, D, dtype)
 
 

@@ -303,6 +303,24 @@ inline void weighted_sum(const float* p, int64_t ps, const int64_t* key, int64_t
     for (int c = 0; c < C; ++c) _mm256_storeu_ps(o[g] + d0 + 8 * c, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
 }
 
+// The key and value rows kAheadKeys keys on toward L1 (and the first ones before a tile's loop): a decode step's
+// cache rows come from memory (the weights streamed since evicted them), and the hardware prefetcher alone left the
+// loads waiting. A SmolLM2 forward of 1 / 3 / 8 tokens took 0.9 / 1.2 / 0.9 ms less in bf16 and 0.9 / 1.9 / 0.4 ms
+// less in fp32 (8 or 32 ahead gained less than 16; A/B of both builds in one process, AVX512-BF16 EPYC).
+constexpr int64_t kAheadKeys = 16;
+
+// Prefetch the K and V rows of keys key[u0 .. u1) (clipped at n), D elements each.
+template <typename E>
+inline void prefetch_keys(const E* kb, int64_t ks, const E* vb, int64_t vs, const int64_t* key, int64_t n, int64_t D,
+                          int64_t u0, int64_t u1) {
+  const int64_t lines = (D * static_cast<int64_t>(sizeof(E)) + 63) / 64;
+  for (int64_t u = u0; u < std::min(n, u1); ++u)
+    for (int64_t l = 0; l < lines; ++l) {
+      _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
+    }
+}
+
 // ---- bf16 attention and SiLU by AVX512-BF16, on CPUs that have it ----------------------------------------------
 // Why: with the projections streaming at the memory's speed, a verify of 8 tokens still paid for its attention in
 // compute: per query and key, 8 FMAs of widened bf16 and a horizontal sum for the score, 8 FMAs and 8 widenings
@@ -333,13 +351,8 @@ DRAFTHEAD_AVX512_BF16 void scores_bf16(const uint16_t* const* qr, int64_t D, con
     for (int64_t z = 0; z < nz; ++z) q[g][z] = _mm512_maskz_loadu_epi16(z + 1 < nz ? ~0u : last, qr[g] + 32 * z);
   __m128 hi[G];  // running max of each query's scores (a padded key repeats the last score: no harm)
   for (int g = 0; g < G; ++g) hi[g] = _mm_set1_ps(-INFINITY);
-  const int64_t lines = (D * 2 + 63) / 64;
   for (int64_t j = 0; j < n; j += 4) {
-    for (int64_t u = j + 16; u < std::min(n, j + 20); ++u)  // as attend_tile's prefetch: 16 keys ahead
-      for (int64_t l = 0; l < lines; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
-      }
+    prefetch_keys(kb, ks, vb, vs, key, n, D, j + kAheadKeys, j + kAheadKeys + 4);
     const uint16_t* kr[4];
     for (int u = 0; u < 4; ++u) kr[u] = kb + key[std::min(j + u, n - 1)] * ks;
     __m512 acc[G][4];
@@ -448,14 +461,9 @@ DRAFTHEAD_AVX512_BF16 void wsum_bf16(float* p, int64_t ps, const int64_t* key, i
     }
   }
   // unpacklo / unpackhi of a row with itself put (v[d], v[d]) for d = 8L + 0..3 / 8L + 4..7 in lanes 4L + 0..3 of
-  // each 128-bit block L; these indices put a 32-wide chunk's two halves back in d order
-  alignas(64) int32_t idx[2][16];
-  for (int h = 0; h < 2; ++h)
-    for (int r = 0; r < 16; ++r) {
-      const int d = 16 * h + r, L = d / 8, i = d % 8;
-      idx[h][r] = i < 4 ? 4 * L + i : 16 + 4 * L + i - 4;
-    }
-  const __m512i ix0 = _mm512_load_si512(idx[0]), ix1 = _mm512_load_si512(idx[1]);
+  // each 128-bit block L; these indices (16 + lane: the unpackhi half) put a 32-wide chunk back in d order
+  const __m512i ix0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);  // d 0..15
+  const __m512i ix1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);  // d 16..31
   const int32_t* pp = reinterpret_cast<const int32_t*>(p);
   for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 64 d a pass: 2 or 4 accumulators of 16 per query
     if (D - d0 > 32) wsum_pass<G, 2>(pp, ps, key, n, vb + d0, vs, inv, o, d0, D - d0, ix0, ix1);
@@ -479,19 +487,7 @@ void attend_tile(const float* qf, const E* const* qr, int64_t D, const E* kb, in
   float top[G];
   for (int g = 0; g < G; ++g) top[g] = -INFINITY;
   int64_t j = 0;
-  // the key and value rows kAheadKeys keys on toward L1 (and the first ones before the loop): a decode step's cache
-  // rows come from memory (the weights streamed since evicted them), and the hardware prefetcher alone left the
-  // loads waiting. A SmolLM2 forward of 1 / 3 / 8 tokens took 0.9 / 1.2 / 0.9 ms less in bf16 and 0.9 / 1.9 / 0.4 ms
-  // less in fp32 (8 or 32 ahead gained less than 16; A/B of both builds in one process, AVX512-BF16 EPYC)
-  constexpr int64_t kAheadKeys = 16;
-  const int64_t lines = (D * static_cast<int64_t>(sizeof(E)) + 63) / 64;
-  auto prefetch = [&](int64_t u0, int64_t u1) {  // keys u0 .. u1-1 (clipped at n): their K and V rows
-    for (int64_t u = u0; u < std::min(n, u1); ++u)
-      for (int64_t l = 0; l < lines; ++l) {
-        _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
-      }
-  };
+  auto prefetch = [&](int64_t u0, int64_t u1) { prefetch_keys(kb, ks, vb, vs, key, n, D, u0, u1); };
   prefetch(0, kAheadKeys);  // the first rows, before the loop's reach
   const bool dot16 = std::is_same_v<E, uint16_t> && D <= 128 && avx512_bf16();
   if constexpr (std::is_same_v<E, uint16_t>) {
