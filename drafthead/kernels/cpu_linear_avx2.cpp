@@ -1112,22 +1112,25 @@ class DecodeLayer {
     // Nine torch::empty a layer had cost a SmolLM2 bf16 forward 0.12-0.13 ms at 1 token and 0.04-0.18 ms at 8
     // (A/B in one process, AVX512-BF16 Zen 5 EPYC).
     const int64_t es = sizeof(E);
-    auto al = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };  // each part on its own cache lines
-    const int64_t need = al(M * Nqkv * es) + al(M * Dq * es) + al(M * Hd * es) + al(M * Dq * 4) + al(M * Dq * es) +
-                         2 * al(M * Hd * es) + al(M * 2 * I * es) + al(M * I * es) + 64;
+    enum { kQKV, kQ_, kX, kO32, kA, kY, kXN, kGU, kACT, kParts };
+    const int64_t bytes[kParts] = {M * Nqkv * es, M * Dq * es, M * Hd * es, M * Dq * 4, M * Dq * es, M * Hd * es,
+                                   M * Hd * es, M * 2 * I * es, M * I * es};
+    int64_t need = 64;  // + the alignment of the first part
+    for (int64_t b : bytes) need += (b + 63) / 64 * 64;  // each part on its own cache lines
     thread_local std::vector<char> ws;  // the GIL makes calls sequential; thread_local keeps that assumption out
     if (static_cast<int64_t>(ws.size()) < need) ws.resize(need);
-    char* wp = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) / 64 * 64);
-    auto take = [&](int64_t bytes) { char* r = wp; wp += al(bytes); return r; };
-    E* QKV = reinterpret_cast<E*>(take(M * Nqkv * es));  // [M, Nqkv]
-    E* Q = reinterpret_cast<E*>(take(M * Dq * es));  // [B, T, h, D] after RoPE
-    E* X = reinterpret_cast<E*>(take(M * Hd * es));  // [M, Hd] the input norm's output
-    float* O32 = reinterpret_cast<float*>(take(M * Dq * 4));  // [B, T, h, D] attention's fp32 output
-    E* A = reinterpret_cast<E*>(take(M * Dq * es));  // [M, Dq] rounded to bf16
-    E* Y = reinterpret_cast<E*>(take(M * Hd * es));  // [M, Hd] o's output, then down's
-    E* XN = reinterpret_cast<E*>(take(M * Hd * es));  // [M, Hd]
-    E* GU = reinterpret_cast<E*>(take(M * 2 * I * es));  // [M, 2I]
-    E* ACT = reinterpret_cast<E*>(take(M * I * es));  // [M, I]
+    char* part[kParts];
+    part[0] = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(ws.data()) + 63) / 64 * 64);
+    for (int k = 1; k < kParts; ++k) part[k] = part[k - 1] + (bytes[k - 1] + 63) / 64 * 64;
+    E* QKV = reinterpret_cast<E*>(part[kQKV]);  // [M, Nqkv]
+    E* Q = reinterpret_cast<E*>(part[kQ_]);  // [B, T, h, D] after RoPE
+    E* X = reinterpret_cast<E*>(part[kX]);  // [M, Hd] the input norm's output
+    float* O32 = reinterpret_cast<float*>(part[kO32]);  // [B, T, h, D] attention's fp32 output
+    E* A = reinterpret_cast<E*>(part[kA]);  // [M, Dq] rounded to bf16
+    E* Y = reinterpret_cast<E*>(part[kY]);  // [M, Hd] o's output, then down's
+    E* XN = reinterpret_cast<E*>(part[kXN]);  // [M, Hd]
+    E* GU = reinterpret_cast<E*>(part[kGU]);  // [M, 2I]
+    E* ACT = reinterpret_cast<E*>(part[kACT]);  // [M, I]
     const E* hp = ptr<E>(h);
     const E* xp = X;
     if (x.defined()) xp = ptr<E>(x);
