@@ -148,11 +148,11 @@ def time_methods(methods: dict[str, Callable], prompts: list[list[int]], max_new
     return rows
 
 
-def _median_ms(calls: list[tuple[Callable[[], None], Callable[[], None]]], repeats: int, device: str
-               ) -> list[float]:
-    """Median wall time of each (call, undo) pair, in ms. The calls take turns (one of each per round, the
-    first round a warm-up), so a machine whose speed drifts between minutes (shared VMs did, by 2x) slows every
-    size alike and the ratios between them stay fair."""
+def _turn_times(calls: list[tuple[Callable[[], None], Callable[[], None]]], repeats: int, device: str
+                ) -> list[list[float]]:
+    """Wall times (s) of each (call, undo) pair over `repeats` rounds. The calls take turns (one of each per round,
+    the first round a warm-up), so a machine whose speed drifts between minutes (shared VMs did, by 2x) slows
+    every call alike and the ratios between them stay fair."""
     times: list[list[float]] = [[] for _ in calls]
     for rep in range(repeats + 1):
         for i, (call, undo) in enumerate(calls):
@@ -163,7 +163,13 @@ def _median_ms(calls: list[tuple[Callable[[], None], Callable[[], None]]], repea
             if rep:
                 times[i].append(time.perf_counter() - t0)
             undo()
-    return [1000 * statistics.median(t) for t in times]
+    return times
+
+
+def _median_ms(calls: list[tuple[Callable[[], None], Callable[[], None]]], repeats: int, device: str
+               ) -> list[float]:
+    """Median wall time of each (call, undo) pair in ms, the calls taking turns (`_turn_times`)."""
+    return [1000 * statistics.median(t) for t in _turn_times(calls, repeats, device)]
 
 
 def _relative(rows: list[dict]) -> list[dict]:
@@ -173,12 +179,16 @@ def _relative(rows: list[dict]) -> list[dict]:
 
 
 @torch.no_grad()
-def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], repeats: int, device: str
-                      ) -> list[dict]:
+def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], repeats: int, device: str,
+                      read_mib: int = 0) -> tuple[list[dict], dict | None]:
     """Median time of one verify forward of n tokens on a cached prefix, in our runtime's target forward.
 
     The n tokens are written at slots P..P+n-1 each time and the length stays P, so every call sees the
     same prefix and nothing needs rolling back.
+    read_mib > 0: a sum over a `read_mib` MiB tensor takes its turn in every round too, and the second value is the
+    read bandwidth it measured (median and range, bytes/s). The bound then divides by a bandwidth read in the same
+    minutes as the forwards it is compared with: one reading apart from them moved 48 -> 71 GB/s between two
+    runs five minutes apart on a shared 2-core VM, while the forward held at 6.3-6.5 ms.
     """
     cache = target_model.new_cache(1, len(prefix) + max(sizes))
     lens = torch.zeros(1, dtype=torch.long, device=device)
@@ -188,8 +198,16 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
         new = torch.tensor([[prefix[i % len(prefix)] for i in range(n)]], device=device)  # [1, n]
         return lambda: target_model.forward(cache, new, lens)
 
-    ms = _median_ms([(forward(n), lambda: None) for n in sizes], repeats, device)
-    return _relative([{"num_tokens": n, "ms": t} for n, t in zip(sizes, ms)])
+    calls = [(forward(n), lambda: None) for n in sizes]
+    if read_mib:
+        x = torch.ones(read_mib << 18, device=device)  # read_mib MiB of fp32: more than any last-level cache here
+        calls.append((lambda: x.sum(), lambda: None))
+    times = _turn_times(calls, repeats, device)
+    curve = _relative([{"num_tokens": n, "ms": 1000 * statistics.median(t)} for n, t in zip(sizes, times)])
+    if not read_mib:
+        return curve, None
+    rates = [x.numel() * 4 / t for t in times[-1]]
+    return curve, {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "readings": len(rates)}
 
 
 @torch.no_grad()
@@ -224,12 +242,18 @@ def read_bandwidth(device: str, mib: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best
 
 
-def bandwidth_bound(tm: Any, device: str) -> dict:
-    """The least time a 1-token forward can take: projection bytes streamed / read bandwidth."""
+def bandwidth_bound(tm: Any, device: str, read: dict | None = None) -> dict:
+    """The least time a 1-token forward can take: projection bytes streamed / read bandwidth. read: the
+    bandwidth readings `verify_cost_curve` took in turn with the forwards (their median is used); without them,
+    the best of 5 reads made now."""
     nbytes = tm.streamed_bytes()
-    bw = read_bandwidth(device)
+    if read is None:
+        bw, how, spread = read_bandwidth(device), "best of 5 sums over 512 MiB", None
+    else:
+        bw, how = read["median"], f"median of {read['readings']} sums over 512 MiB taking turns with the forwards"
+        spread = [read["min"] / 1e9, read["max"] / 1e9]
     return {"kernel": tm.kernel, "weights": tm.weights, "weight_bytes": nbytes, "read_gb_per_s": bw / 1e9,
-            "bound_ms": 1000 * nbytes / bw}
+            "read_gb_per_s_range": spread, "read": how, "bound_ms": 1000 * nbytes / bw}
 
 
 def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generator: Any = None) -> dict:
@@ -285,8 +309,8 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     prefix = (prefix * (cfg.verify_prefix // max(1, len(prefix)) + 1))[: cfg.verify_prefix]
     sizes = list(cfg.verify_sizes)
     tm = generator.model if isinstance(generator.model, TargetModel) else TargetModel(target.model)
-    curve = verify_cost_curve(tm, prefix, sizes, cfg.verify_repeats, device)
-    bound = bandwidth_bound(tm, device)
+    curve, read = verify_cost_curve(tm, prefix, sizes, cfg.verify_repeats, device, read_mib=512)
+    bound = bandwidth_bound(tm, device, read)
     hf_curve = hf_verify_cost_curve(target.model, prefix, sizes, cfg.verify_repeats, device)
 
     result = {"settings": {**dataclasses.asdict(cfg), "target": getattr(target, "name_or_path", None),
@@ -308,8 +332,9 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
                                  "the sizes take turns, one forward of each per round",
                   "verify_cost_hf": "the same through HF model(...) with a DynamicCache",
                   "bandwidth_bound": "bytes of projection weights one generated token streams / measured read "
-                                     "bandwidth (a sum over a 512 MiB tensor): the least a 1-token forward "
-                                     "can cost when weights come from memory"}}
+                                     "bandwidth (the median of sums over a 512 MiB tensor, one in each round "
+                                     "of the verify_cost forwards): the least a 1-token forward can cost when "
+                                     "weights come from memory"}}
     print(format_table(result))
     if cfg.out:
         out = Path(cfg.out)
@@ -336,7 +361,10 @@ def format_table(result: dict) -> str:
     if bd:
         line = (f"CPU class {result['settings']['machine'].get('cpu_class')}, decode kernel "
                 f"{bd['kernel'] or 'none (oneDNN)'}, weights {bd['weights']}: {bd['weight_bytes'] / 1e6:.0f} MB "
-                f"streamed per token, read bandwidth {bd['read_gb_per_s']:.1f} GB/s -> bound {bd['bound_ms']:.1f} ms")
+                f"streamed per token, read bandwidth {bd['read_gb_per_s']:.1f} GB/s"
+                + (" (readings {:.1f}-{:.1f})".format(*bd["read_gb_per_s_range"]) if bd.get("read_gb_per_s_range")
+                   else "")
+                + f" -> bound {bd['bound_ms']:.1f} ms")
         one = next((c for c in result["verify_cost"] if c["num_tokens"] == 1), None)
         if one:
             line += f"; 1-token forward {one['ms']:.1f} ms = {one['ms'] / bd['bound_ms']:.2f}x the bound"

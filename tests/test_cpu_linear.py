@@ -4,7 +4,7 @@ runtime falls back to oneDNN when they are unavailable."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -141,17 +141,39 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path):
     assert not lock.exists()
 
 
+@contextlib.contextmanager
+def switched(switch: Callable[[bool | None], bool], on: bool, missing: str) -> Iterator[None]:
+    """A CPU-chosen code path of the extension on (skipping with `missing` where the CPU lacks it) or off, for
+    the block; as it was after."""
+    if on and not switch(None):
+        pytest.skip(missing)
+    before = switch(None)
+    try:
+        assert switch(on) == on
+        yield
+    finally:
+        switch(before)
+
+
+def avx512_tiles(on: bool) -> contextlib.AbstractContextManager:
+    """fp32-kernel projections of 2+ rows on their AVX-512 tiles (on) or their 8-lane tiles."""
+    return switched(cpu_linear.avx512_tiles, on, "the CPU has no AVX-512: fp32 projections run their 8-lane "
+                    "tiles only")
+
+
 @needs_fp32_kernel
+@pytest.mark.parametrize("avx512", [False, True], ids=["tiles8", "tiles16"])
 @pytest.mark.parametrize("weights", cpu_linear.WEIGHTS)
 @pytest.mark.parametrize("N,K", [(1536, 576), (576, 1536), (192, 576), (37, 64), (100, 3), (1, 130), (49152, 576)])
-def test_fp32_kernel_matches_fp64_reference(weights: str, N: int, K: int) -> None:
+def test_fp32_kernel_matches_fp64_reference(weights: str, N: int, K: int, avx512: bool) -> None:
     """fp32 accumulation over K of the weight `compress` stands for: within fp32 rounding of the fp64 product."""
     g = torch.Generator().manual_seed(N + K)
     w, b, x = torch.randn(N, K, generator=g), torch.randn(N, generator=g), torch.randn(13, K, generator=g)
     stored, scale, effective = cpu_linear.compress(w, weights)
     packed = cpu_linear.pack_fp32(stored)
     for bias in (None, b):
-        y = cpu_linear.linear_fp32(x, packed, N, scale, bias)  # [13, N]
+        with avx512_tiles(avx512):
+            y = cpu_linear.linear_fp32(x, packed, N, scale, bias)  # [13, N]
         assert y.dtype == torch.float32 and y.shape == (13, N)
         ref = reference(x, effective, bias)
         tol = (x.double().abs() @ effective.double().abs().t() + (bias.double().abs() if bias is not None else 0)
@@ -176,19 +198,23 @@ def test_compress_gives_the_weight_the_kernel_computes_with() -> None:
 
 
 @needs_fp32_kernel
+@pytest.mark.parametrize("avx512", [False, True], ids=["tiles8", "tiles16"])
 @pytest.mark.parametrize("weights", cpu_linear.WEIGHTS)
-def test_fp32_kernel_rows_have_the_same_bits_at_1_to_70_rows(weights: str) -> None:
+def test_fp32_kernel_rows_have_the_same_bits_at_1_to_70_rows(weights: str, avx512: bool) -> None:
+    """A row alone (the 1-row path) and inside 2..70 rows (8-lane or AVX-512 tiles) gives the same bits; so do the
+    two tile kinds, since the CPU and not the row count chooses between them."""
     g = torch.Generator().manual_seed(1)
-    w = torch.randn(100, 576, generator=g)  # 100 outputs: 4 full tiles of 24 + a tail block of 4
+    w = torch.randn(100, 576, generator=g)  # 100 outputs: 2 full work items of 48 + a tail block of 4
     b = torch.randn(100, generator=g)
     x = torch.randn(70, 576, generator=g)
     stored, scale, _ = cpu_linear.compress(w, weights)
     packed = cpu_linear.pack_fp32(stored)
     alone = torch.cat([cpu_linear.linear_fp32(x[i: i + 1], packed, 100, scale, b) for i in range(70)])
-    for M in range(1, 71):
-        for start in sorted({0, 70 - M, (70 - M) // 2}):
-            got = cpu_linear.linear_fp32(x[start: start + M], packed, 100, scale, b)
-            assert torch.equal(got, alone[start: start + M]), (weights, M, start)
+    with avx512_tiles(avx512):
+        for M in range(1, 71):
+            for start in sorted({0, 70 - M, (70 - M) // 2}):
+                got = cpu_linear.linear_fp32(x[start: start + M], packed, 100, scale, b)
+                assert torch.equal(got, alone[start: start + M]), (weights, M, start)
 
 
 @needs_fp32_kernel
@@ -237,17 +263,10 @@ def test_compressed_weights_on_a_bf16_layer_are_a_named_error() -> None:
         cpu_linear.PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), "int8")
 
 
-@contextlib.contextmanager
-def avx512_bf16_ops(on: bool) -> Iterator[None]:
-    """bf16 attention and SiLU on their AVX512-BF16 code (on) or their AVX2 code, for the block."""
-    if on and not cpu_linear.avx512_bf16_ops():
-        pytest.skip("the CPU has no AVX512-BF16: bf16 attention and SiLU run their AVX2 code only")
-    before = cpu_linear.avx512_bf16_ops()
-    try:
-        assert cpu_linear.avx512_bf16_ops(on) == on
-        yield
-    finally:
-        cpu_linear.avx512_bf16_ops(before)
+def avx512_bf16_ops(on: bool) -> contextlib.AbstractContextManager:
+    """bf16 attention and SiLU on their AVX512-BF16 code (on) or their AVX2 code."""
+    return switched(cpu_linear.avx512_bf16_ops, on, "the CPU has no AVX512-BF16: bf16 attention and SiLU run "
+                    "their AVX2 code only")
 
 
 def attention_reference(q, k, v, mask, scale):

@@ -375,6 +375,8 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
         c.hidden_size // c.num_attention_heads) + 3 * c.hidden_size * c.intermediate_size
     assert bound["weight_bytes"] >= 4 * (c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size)
     assert bound["read_gb_per_s"] > 0 and bound["bound_ms"] > 0
+    lo, hi = bound["read_gb_per_s_range"]  # one reading a round of the verify forwards, the median between
+    assert lo <= bound["read_gb_per_s"] <= hi and "taking turns with the forwards" in bound["read"]
 
 
 def test_cli_eval_loads_target_from_the_draft_config_and_reads_the_heldout_split(tiny_llama_dir, tmp_path):

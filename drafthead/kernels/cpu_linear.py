@@ -1,7 +1,7 @@
 """Row-invariant projections for CPU decoding, compiled on first use: `cpu_linear.cpp` (bf16, AVX512-BF16) and
-`cpu_linear_avx2.cpp` (fp32 activations on AVX2/FMA, with fp32, bf16 or int8 weights; also the attention,
-RMSNorm, RoPE and SiLU-and-multiply of generated fp32 and bf16 tokens, one call each, and `decode_layer`, a whole
-decoder layer of generated tokens in one call).
+`cpu_linear_avx2.cpp` (fp32 activations on AVX2/FMA, with fp32, bf16 or int8 weights, in 16-lane tiles for 2+ rows
+where the CPU has AVX-512; also the attention, RMSNorm, RoPE and SiLU-and-multiply of generated fp32 and bf16
+tokens, one call each, and `decode_layer`, a whole decoder layer of generated tokens in one call).
 
 Why: a decode step or a verify block multiplies 1-16 rows by every weight of the target, so its cost is the
 time to stream the weights once. oneDNN does not reach that at these row counts: its bf16 matmul ran at
@@ -223,6 +223,13 @@ def attention_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     CPU with AVX512-BF16 (head_dim <= 128) go through `vdpbf16ps`, the probabilities as bf16 pairs (~2^-17), see
     `avx512_bf16_ops`."""
     return _ext("fp32").attention(q, k, v, mask, scale)
+
+
+def avx512_tiles(on: bool | None = None) -> bool:
+    """Whether fp32-kernel projections of 2+ rows run their AVX-512 tiles (16 lanes, up to 8 rows a pass over the
+    weights): the CPU has AVX-512 and they are not turned off. `on` turns them on or off for the process (tests
+    run both). The same bits either way: every output is the same FMA sequence over k."""
+    return bool(_ext("fp32").avx512_tiles(on))
 
 
 def avx512_bf16_ops(on: bool | None = None) -> bool:
