@@ -4,6 +4,7 @@ runtime falls back to oneDNN when they are unavailable."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -159,6 +160,20 @@ def avx512_tiles(on: bool) -> contextlib.AbstractContextManager:
     """fp32-kernel projections of 2+ rows on their AVX-512 tiles (on) or their 8-lane tiles."""
     return switched(cpu_linear.avx512_tiles, on, "the CPU has no AVX-512: fp32 projections run their 8-lane "
                     "tiles only")
+
+
+@needs_fp32_kernel
+def test_avx2_dispatch_turns_the_extensions_avx512_code_off() -> None:
+    """ATEN_CPU_CAPABILITY=avx2 on a newer CPU stands for the AVX2 class (drafthead.hardware): the fp32 extension
+    then runs its AVX2 code only, or figures measured that way would borrow AVX-512."""
+    import subprocess
+    import sys
+
+    code = ("from drafthead.kernels import cpu_linear as c; from drafthead import hardware as h; "
+            "print(h.cpu_class(), c.avx512_tiles(), c.avx512_bf16_ops())")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["AVX2", "False", "False"], out.stdout + out.stderr
 
 
 @needs_fp32_kernel

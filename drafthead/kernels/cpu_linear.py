@@ -87,9 +87,15 @@ def _load(kind: str = "bf16") -> ModuleType | None:
             build = cache_dir() / "torch_extensions" / f"{stem}-torch{torch.__version__.split('+')[0]}"
             build.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build / "lock")
-            _state[kind] = load(f"drafthead_{stem}", [str(_SOURCES[kind])], build_directory=str(build),
-                                extra_cflags=_CFLAGS[kind], extra_ldflags=["-fopenmp"], verbose=False)
-            return _state[kind]  # type: ignore[return-value]
+            ext = load(f"drafthead_{stem}", [str(_SOURCES[kind])], build_directory=str(build),
+                       extra_cflags=_CFLAGS[kind], extra_ldflags=["-fopenmp"], verbose=False)
+            if kind == "fp32" and not hardware.cpu_capability().startswith("AVX512"):
+                # torch dispatches below AVX-512 (ATEN_CPU_CAPABILITY=avx2 measures the AVX2 class on a newer
+                # CPU): the extension's AVX-512 code, which the CPU alone would choose, stays off too
+                ext.avx512_tiles(False)
+                ext.avx512_bf16(False)
+            _state[kind] = ext
+            return ext
         except Exception as e:  # no compiler / ninja, or a failed build: fall back, but say so
             why = f"building the extension failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
     _state[kind] = why
