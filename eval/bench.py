@@ -207,7 +207,8 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
     if not read_mib:
         return curve, None
     rates = [x.numel() * 4 / t for t in times[-1]]
-    return curve, {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "readings": len(rates)}
+    return curve, {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "readings": len(rates),
+                   "mib": read_mib}
 
 
 @torch.no_grad()
@@ -250,7 +251,8 @@ def bandwidth_bound(tm: Any, device: str, read: dict | None = None) -> dict:
     if read is None:
         bw, how, spread = read_bandwidth(device), "best of 5 sums over 512 MiB", None
     else:
-        bw, how = read["median"], f"median of {read['readings']} sums over 512 MiB taking turns with the forwards"
+        bw, how = read["median"], (f"median of {read['readings']} sums over {read['mib']} MiB taking turns with the "
+                                   f"forwards")
         spread = [read["min"] / 1e9, read["max"] / 1e9]
     return {"kernel": tm.kernel, "weights": tm.weights, "weight_bytes": nbytes, "read_gb_per_s": bw / 1e9,
             "read_gb_per_s_range": spread, "read": how, "bound_ms": 1000 * nbytes / bw}
