@@ -55,6 +55,15 @@ inline __m256i tail_mask(int64_t valid) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
 }
 
+// A group's lines at k + kAhead (its k-th element at `at`, `step` bytes a k: one line, or two for fp32) into L1: a
+// stream read from memory by a lone row or a tile's first rows, fetched ahead of the loads.
+template <typename W>
+inline void prefetch_ahead(const W* at, int64_t step) {
+  const char* a = reinterpret_cast<const char*>(at) + kAhead * step;
+  _mm_prefetch(a, _MM_HINT_T0);
+  if (step > 64) _mm_prefetch(a + 64, _MM_HINT_T0);
+}
+
 // The sums of rows m0..m0+R-1 and blocks b0..b0+B-1 (out [R, B, 8]) times the scale, plus the bias, into y: one
 // multiply and one add per element (no FMA: -ffp-contract=off), whichever tile made the sums.
 template <int R, int B>
@@ -102,11 +111,7 @@ inline void tile(const float* x, int64_t K, const W* p, const float* scale, cons
     for (int j = 0; j < B; ++j) w[j] = load8(base[j] + k * kstride[j]);
     if (R == 1) {  // a lone row: its own groups, kAhead k ahead, every 64-byte line (two per k for fp32)
 #pragma GCC unroll 8
-      for (int j = 0; j < B; j += kGroup) {
-        const char* a = reinterpret_cast<const char*>(base[j] + (k + kAhead) * kstride[j]);
-        _mm_prefetch(a, _MM_HINT_T0);
-        if (step > 64) _mm_prefetch(a + 64, _MM_HINT_T0);
-      }
+      for (int j = 0; j < B; j += kGroup) prefetch_ahead(base[j] + k * kstride[j], kstride[j] * sizeof(W));
     }
     if (pf) {  // the next work item's group, the same k, into L2
       _mm_prefetch(pf + k * step, _MM_HINT_T1);
@@ -196,14 +201,8 @@ DRAFTHEAD_AVX512 void tile512(const float* x, int64_t K, const W* p, const float
     const __m512 w1 = load16(bk);
     const __m512 w2 = _mm512_insertf32x8(_mm512_castps256_ps512(load8(ak + 16)), load8(bk + 16), 1);
     if (lead) {
-      const char* pa = reinterpret_cast<const char*>(ak + kAhead * G);
-      const char* pb = reinterpret_cast<const char*>(bk + kAhead * G);
-      _mm_prefetch(pa, _MM_HINT_T0);
-      _mm_prefetch(pb, _MM_HINT_T0);
-      if (step > 64) {
-        _mm_prefetch(pa + 64, _MM_HINT_T0);
-        _mm_prefetch(pb + 64, _MM_HINT_T0);
-      }
+      prefetch_ahead(ak, step);
+      prefetch_ahead(bk, step);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
@@ -243,14 +242,17 @@ DRAFTHEAD_AVX512 void rows512(const float* x, int64_t M, int64_t K, const W* p, 
   }
 }
 
-bool g_avx512_tiles = true;  // tests turn it off to run the 8-lane tiles on a CPU that has both
-
-// Whether multi-row fp32 projections run the AVX-512 tiles: the CPU has AVX-512 (checked once) and they are on.
-bool avx512_tiles() {
+// Whether the CPU has the AVX-512 subsets this file's AVX-512 code is built for (DRAFTHEAD_AVX512), checked once.
+bool cpu_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return has && g_avx512_tiles;
+  return has;
 }
+
+bool g_avx512_tiles = true;  // tests turn it off to run the 8-lane tiles on a CPU that has both
+
+// Whether multi-row fp32 projections run the AVX-512 tiles: the CPU has AVX-512 and they are on.
+bool avx512_tiles() { return cpu_avx512() && g_avx512_tiles; }
 
 template <typename W>
 void run(const float* X, int64_t M, int64_t K, const W* P, int64_t NB, const float* S, const float* Bp, float* Y,
@@ -262,10 +264,10 @@ void run(const float* X, int64_t M, int64_t K, const W* P, int64_t NB, const flo
       const int64_t b0 = g * kBlocks;
       if (b0 + kBlocks <= NB && wide) {
         rows512<W>(X, M, K, P, S, Bp, b0, Y, N);
-      } else if (b0 + kBlocks <= NB) {
+      } else if (b0 + kBlocks <= NB) {  // 8-lane tiles
         const bool next = M > 1 && g + 1 < g1 && b0 + 2 * kBlocks <= NB;  // a full next item on this thread
         rows<W, kBlocks>(X, M, K, P, S, Bp, b0, Y, N, next);
-      } else {
+      } else {  // the last, partial item: block by block
         for (int64_t b = b0; b < NB; ++b) rows<W, 1>(X, M, K, P, S, Bp, b, Y, N, false);
       }
     }
@@ -588,8 +590,7 @@ bool g_avx512_bf16 = true;  // tests turn it off to run the AVX2 code on a CPU t
 
 // Whether bf16 attention and SiLU run their AVX512-BF16 code: the CPU has it (checked once) and it is on.
 bool avx512_bf16() {
-  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  static const bool has = cpu_avx512() && __builtin_cpu_supports("avx512bf16");
   return has && g_avx512_bf16;
 }
 
