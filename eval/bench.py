@@ -188,7 +188,11 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
     read_mib > 0: a sum over a `read_mib` MiB tensor takes its turn in every round too, and the second value is the
     read bandwidth it measured (median and range, bytes/s). The bound then divides by a bandwidth read in the same
     minutes as the forwards it is compared with: one reading apart from them moved 48 -> 71 GB/s between two
-    runs five minutes apart on a shared 2-core VM, while the forward held at 6.3-6.5 ms.
+    runs five minutes apart on a shared 2-core VM, while the forward held at 6.3-6.5 ms. An untimed forward follows
+    each sum: the sum evicts the KV cache and the small tensors that a forward (its weights prefetched
+    non-temporally) leaves cached, and in decoding a forward follows a forward, never such a read. Timed straight
+    after the sum, a bf16 SmolLM2 forward of 1 / 8 tokens took 6.72 / 7.97 ms against 5.86-6.15 / 7.13 after a
+    forward (AVX512-BF16 Zen 5 EPYC).
     """
     cache = target_model.new_cache(1, len(prefix) + max(sizes))
     lens = torch.zeros(1, dtype=torch.long, device=device)
@@ -201,7 +205,7 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
     calls = [(forward(n), lambda: None) for n in sizes]
     if read_mib:
         x = torch.ones(read_mib << 18, device=device)  # read_mib MiB of fp32: more than any last-level cache here
-        calls.append((lambda: x.sum(), lambda: None))
+        calls.append((lambda: x.sum(), forward(sizes[0])))  # undo: the untimed forward that settles the caches
     times = _turn_times(calls, repeats, device)
     curve = _relative([{"num_tokens": n, "ms": 1000 * statistics.median(t)} for n, t in zip(sizes, times)])
     if not read_mib:

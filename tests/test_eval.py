@@ -489,3 +489,25 @@ def test_bench_speedup_script_runs_interleaved_and_checks_losslessness(smollm2_d
         assert name in out
     assert f"CPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()})" in out
     assert "outputs equal to our AR 2/2" in out
+
+
+def test_verify_cost_curve_settles_the_caches_after_each_bandwidth_read():
+    """The sum that reads the bandwidth evicts what a forward leaves cached; the forward timed after it would pay
+    for that. An untimed forward of the first size must follow every sum, and the sums' readings come back."""
+    from eval.bench import verify_cost_curve
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def new_cache(self, batch, capacity):
+            return torch.zeros(batch, capacity)
+
+        def forward(self, cache, input_ids, lens, logits_at=None, prefill=False):
+            self.calls.append("prefill" if prefill else input_ids.shape[1])
+
+    rec = Recorder()
+    curve, read = verify_cost_curve(rec, list(range(10)), [1, 4], repeats=3, device="cpu", read_mib=1)
+    assert [c["num_tokens"] for c in curve] == [1, 4]
+    assert rec.calls == ["prefill"] + [1, 4, 1] * 4  # each round: the timed 1 and 4, then the settling 1
+    assert read["readings"] == 3 and read["mib"] == 1 and read["min"] <= read["median"] <= read["max"]
