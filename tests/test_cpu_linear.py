@@ -379,7 +379,7 @@ def test_concat_refuses_parts_it_cannot_join() -> None:
                          ids=["fp32", "bf16-avx2", "bf16-avx512"])
 def test_small_ops_match_torch_and_ignore_row_count(dtype: torch.dtype, avx512: bool) -> None:
     """The one-call RMSNorm, RoPE and SiLU-and-multiply of generated tokens against the torch ops the runtime runs
-    for prompts: bf16 bit for bit (the roundings sit where torch's ops round; SiLU by its AVX2 code and by its
+    for prompts: bf16 bit for bit (the roundings sit where torch's ops round; each op by its AVX2 code and by its
     AVX512-BF16 code), RoPE in fp32 too, the rest within fp32 rounding (another summation order; a polynomial exp).
     A row's bits do not depend on the rows beside it. Widths off the vector width (577, 24, 1541) take the tails."""
     with avx512_bf16_ops(avx512):

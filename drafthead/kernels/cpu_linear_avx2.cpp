@@ -843,6 +843,65 @@ inline void store8(uint16_t* p, __m256 v) {  // v already rounded: its high halv
                    _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 
+// ---- a bf16 layer's elementwise ops in 16 lanes, on CPUs with AVX512-BF16 ----------------------------------------
+// The same math and the same roundings as their 8-lane code, 16 lanes at a time, rounding by `vcvtneps2bf16`
+// (nearest even, as round8) instead of round8's seven integer steps. It reads a subnormal input as zero where
+// round8 keeps it; a product there needs values near 1e-38, which these layers' activations do not come near (the
+// tests compare the bits with torch's ops). The CPU chooses the code once, never the row count. A SmolLM2 bf16
+// forward's norms, RoPE, adds and rounding at 8 tokens: 0.30-0.36 -> 0.22-0.33 ms (phase timers, two runs each,
+// AVX512-BF16 Zen 5 EPYC); the logits' bits are the same.
+DRAFTHEAD_AVX512_BF16 inline __mmask16 first16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+DRAFTHEAD_AVX512_BF16 inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return widen16(_mm256_maskz_loadu_epi16(m, p));
+}
+DRAFTHEAD_AVX512_BF16 inline __m512 round16(__m512 v) { return widen16((__m256i)_mm512_cvtneps_pbh(v)); }
+DRAFTHEAD_AVX512_BF16 inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// y = bf16(w * bf16(x * r)): rms_norm's second pass.
+DRAFTHEAD_AVX512_BF16 void norm_scale_bf16(const uint16_t* x, const uint16_t* w, float r, uint16_t* y, int64_t H) {
+  const __m512 r16 = _mm512_set1_ps(r);
+  for (int64_t h = 0; h < H; h += 16) {
+    const __mmask16 m = first16(H - h);
+    store16(y + h, m, _mm512_mul_ps(load16(w + h, m), round16(_mm512_mul_ps(load16(x + h, m), r16))));
+  }
+}
+
+// y = bf16(a + b).
+DRAFTHEAD_AVX512_BF16 void add_bf16(const uint16_t* a, const uint16_t* b, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first16(n - i);
+    store16(y + i, m, _mm512_add_ps(load16(a + i, m), load16(b + i, m)));
+  }
+}
+
+// y = bf16(x) of fp32 x.
+DRAFTHEAD_AVX512_BF16 void round_bf16(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first16(n - i);
+    store16(y + i, m, _mm512_maskz_loadu_ps(m, x + i));
+  }
+}
+
+// rope_row<uint16_t, uint16_t>: each product and the sum rounded to bf16.
+DRAFTHEAD_AVX512_BF16 void rope_bf16(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* y,
+                                     int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d += 16) {
+    const __mmask16 m = first16(half - d);
+    const __m512 x1 = load16(x + d, m), x2 = load16(x + half + d, m);
+    const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, load16(c + d, m))),
+                                    round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + d, m))));
+    const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(x2, load16(c + half + d, m))),
+                                    round16(_mm512_mul_ps(x1, load16(s + half + d, m))));
+    store16(y + d, m, lo);
+    store16(y + half + d, m, hi);
+  }
+}
+
 template <typename E>
 void rms_norm_impl(const E* X, const E* W, E* Y, int64_t M, int64_t H, float eps) {
   for (int64_t m = 0; m < M; ++m) {
@@ -857,6 +916,12 @@ void rms_norm_impl(const E* X, const E* W, E* Y, int64_t M, int64_t H, float eps
     float ss = hsum8(acc);
     for (; h < H; ++h) ss += to_f(xr[h]) * to_f(xr[h]);
     const float r = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      if (avx512_bf16()) {
+        norm_scale_bf16(xr, W, r, yr, H);
+        continue;
+      }
+    }
     const __m256 r8 = _mm256_set1_ps(r);
     for (h = 0; h + 8 <= H; h += 8)
       store8(yr + h, round8<E>(_mm256_mul_ps(load8(W + h), round8<E>(_mm256_mul_ps(load8(xr + h), r8)))));
@@ -888,6 +953,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 // rope: x widened, fp32 tables, `.to(x.dtype)` at the end).
 template <typename E, typename C = E>
 inline void rope_row(const E* x, const C* c, const C* s, E* y, int64_t D) {
+  if constexpr (std::is_same_v<E, uint16_t> && std::is_same_v<C, uint16_t>) {
+    if (avx512_bf16()) return rope_bf16(x, c, s, y, D);
+  }
   const int64_t half = D / 2;
   int64_t d = 0;
   if (half % 8 == 0)
@@ -1112,6 +1180,9 @@ Proj make_proj(const ProjArgs& a, const char* name) {
 
 template <typename E>
 void add_rows(const E* a, const E* b, E* y, int64_t n) {  // y = a + b rounded to E, as torch's add
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    if (avx512_bf16()) return add_bf16(a, b, y, n);
+  }
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) store8(y + i, round8<E>(_mm256_add_ps(load8(a + i), load8(b + i))));
   for (; i < n; ++i) put(y + i, round_s<E>(to_f(a[i]) + to_f(b[i])));
@@ -1294,7 +1365,8 @@ class DecodeLayer {
                       O32, rows_q);
     const E* a = reinterpret_cast<const E*>(O32);  // attention's fp32 output, rounded once to the dtype
     if constexpr (std::is_same_v<E, uint16_t>) {
-      for (int64_t i = 0; i < M * Dq; i += 8) store8(A + i, round8<E>(_mm256_loadu_ps(O32 + i)));  // Dq % 8 == 0
+      if (avx512_bf16()) round_bf16(O32, A, M * Dq);
+      else for (int64_t i = 0; i < M * Dq; i += 8) store8(A + i, round8<E>(_mm256_loadu_ps(O32 + i)));  // Dq % 8 == 0
       a = A;
     }
     project<E>(o_, a, M, Y);
