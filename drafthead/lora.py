@@ -401,7 +401,7 @@ class SelfDraftRunner:
         pos = lens[:, None] + torch.arange(T, device=h.device)  # [B, T]
         cos, sin = self.model.base.rotary_emb(h, position_ids=pos)
         start = int(lens[0]) if bool((lens == lens[0]).all()) else None
-        return pos, cos[:, None], sin[:, None], start, attention_mask(lens, T, S, None)
+        return pos, cos, sin, start, attention_mask(lens, T, S, None)  # cos, sin [B, T, D]
 
     def _exit(self, h: torch.Tensor, inputs: tuple, prefill: bool) -> torch.Tensor:
         """Exit block over h [B, T, H] (`inputs` from `_inputs`), writing the exit cache; -> final-norm hidden."""

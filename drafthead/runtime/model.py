@@ -208,7 +208,6 @@ class TargetModel:
 
         h = self.base.embed_tokens(input_ids)  # [B, T, H]
         cos, sin = self.base.rotary_emb(h, position_ids=positions)  # [B, T, D] each
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         grabbed = []
         for i, layer in enumerate(self.layers):
             if capture and i in self.aux_layer_ids:
@@ -228,12 +227,14 @@ class TargetModel:
     def block(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               cache: torch.Tensor, slots: torch.Tensor, start: int | None, S: int,
               mask: torch.Tensor | None, prefill: bool = False) -> torch.Tensor:
-        """One pre-norm decoder layer (Llama/Qwen2/Qwen3 share this shape)."""
+        """One pre-norm decoder layer (Llama/Qwen2/Qwen3 share this shape). cos, sin: [B, T, D], as the fused layer
+        takes them (squeezing a [B, 1, T, D] there cost two operators a layer)."""
         B, T, _ = h.shape
         attn = layer.self_attn
         ops = self.decode_ops and not prefill  # generated tokens on CPU: the extension's one-call ops
         if ops and self.fused and (step := self.fused_layer(i, layer)) is not None:
             return step.forward(h, cos, sin, cache, slots, mask)
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         x = rms_norm(layer.input_layernorm, h, ops)
         q, k, v = self.project((attn.q_proj, attn.k_proj, attn.v_proj), x, prefill)
         q = q.view(B, T, -1, self.head_dim)  # [B, T, h, D]
