@@ -424,16 +424,21 @@ inline void weighted_sum(const float* p, int64_t ps, const int64_t* key, int64_t
 // less in fp32 (8 or 32 ahead gained less than 16; A/B of both builds in one process, AVX512-BF16 EPYC).
 constexpr int64_t kAheadKeys = 16;
 
+// The 64-byte lines of one key's K row and V row toward L1.
+template <typename E>
+inline void prefetch_kv_row(const E* k, const E* v, int64_t lines) {
+  for (int64_t l = 0; l < lines; ++l) {
+    _mm_prefetch(reinterpret_cast<const char*>(k) + 64 * l, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v) + 64 * l, _MM_HINT_T0);
+  }
+}
+
 // Prefetch the K and V rows of keys key[u0 .. u1) (clipped at n), D elements each.
 template <typename E>
 inline void prefetch_keys(const E* kb, int64_t ks, const E* vb, int64_t vs, const int64_t* key, int64_t n, int64_t D,
                           int64_t u0, int64_t u1) {
   const int64_t lines = (D * static_cast<int64_t>(sizeof(E)) + 63) / 64;
-  for (int64_t u = u0; u < std::min(n, u1); ++u)
-    for (int64_t l = 0; l < lines; ++l) {
-      _mm_prefetch(reinterpret_cast<const char*>(kb + key[u] * ks) + 64 * l, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(vb + key[u] * vs) + 64 * l, _MM_HINT_T0);
-    }
+  for (int64_t u = u0; u < std::min(n, u1); ++u) prefetch_kv_row(kb + key[u] * ks, vb + key[u] * vs, lines);
 }
 
 // ---- bf16 attention and SiLU by AVX512-BF16, on CPUs that have it ----------------------------------------------
@@ -714,14 +719,11 @@ void prefetch_items(int64_t i0, int64_t i1, const E* Kp, Rows kst, const E* Vp, 
     if (seen[b * KVH + kh]) continue;
     seen[b * KVH + kh] = 1;
     const bool* mi = Mp + bt * S;
-    const char* kb = reinterpret_cast<const char*>(Kp + b * kst.s0 + kh * kst.s1);
-    const char* vb = reinterpret_cast<const char*>(Vp + b * vst.s0 + kh * vst.s1);
+    const E* kb = Kp + b * kst.s0 + kh * kst.s1;
+    const E* vb = Vp + b * vst.s0 + kh * vst.s1;
     for (int64_t j = 0; j < S && budget > 0; ++j) {
       if (!mi[j]) continue;
-      for (int64_t l = 0; l < lines; ++l) {
-        _mm_prefetch(kb + j * kst.s2 * static_cast<int64_t>(sizeof(E)) + 64 * l, _MM_HINT_T0);
-        _mm_prefetch(vb + j * vst.s2 * static_cast<int64_t>(sizeof(E)) + 64 * l, _MM_HINT_T0);
-      }
+      prefetch_kv_row(kb + j * kst.s2, vb + j * vst.s2, lines);
       budget -= 2 * lines * 64;
     }
   }
