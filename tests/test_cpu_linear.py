@@ -279,9 +279,9 @@ def test_compressed_weights_on_a_bf16_layer_are_a_named_error() -> None:
 
 
 def avx512_bf16_ops(on: bool) -> contextlib.AbstractContextManager:
-    """bf16 attention and SiLU on their AVX512-BF16 code (on) or their AVX2 code."""
-    return switched(cpu_linear.avx512_bf16_ops, on, "the CPU has no AVX512-BF16: bf16 attention and SiLU run "
-                    "their AVX2 code only")
+    """bf16 attention and elementwise ops on their AVX512-BF16 code (on) or their AVX2 code."""
+    return switched(cpu_linear.avx512_bf16_ops, on, "the CPU has no AVX512-BF16: bf16 attention and elementwise "
+                    "ops run their AVX2 code only")
 
 
 def attention_reference(q, k, v, mask, scale):

@@ -239,8 +239,8 @@ def avx512_tiles(on: bool | None = None) -> bool:
 
 
 def avx512_bf16_ops(on: bool | None = None) -> bool:
-    """Whether bf16 attention and SiLU (here and in the fused layers) run their AVX512-BF16 code: the CPU has it and
-    it is not turned off. `on` turns it on or off for the process (tests run both paths). The choice never depends
+    """Whether bf16 attention and elementwise ops (SiLU, RMSNorm, RoPE; in the fused layers also the adds and the
+    attention output's rounding) run their AVX512-BF16 code: the CPU has it and it is not turned off. `on` turns it on or off for the process (tests run both paths). The choice never depends
     on the row count, so either way a token gets the same bits alone or in a block."""
     return bool(_ext("fp32").avx512_bf16(on))
 

@@ -454,6 +454,17 @@ inline void prefetch_keys(const E* kb, int64_t ks, const E* vb, int64_t vs, cons
 DRAFTHEAD_AVX512_BF16 inline __m512 widen16(__m256i h) {  // 16 bf16 -> fp32, exactly
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+// The first min(left, 16) lanes; masked loads and stores of 16 bf16; fp32 rounded to bf16 (nearest even) and back.
+DRAFTHEAD_AVX512_BF16 inline __mmask16 first16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+DRAFTHEAD_AVX512_BF16 inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return widen16(_mm256_maskz_loadu_epi16(m, p));
+}
+DRAFTHEAD_AVX512_BF16 inline __m512 round16(__m512 v) { return widen16((__m256i)_mm512_cvtneps_pbh(v)); }
+DRAFTHEAD_AVX512_BF16 inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
 
 // Scores of G bf16 queries with their keys: a score's products are summed as pairs into 16 fp32 lanes (one
 // instruction per 32 elements of d, in order), and the 16 lanes then by one fixed tree, the same for each of the 4
@@ -554,10 +565,8 @@ DRAFTHEAD_AVX512_BF16 inline void wsum_pass(const int32_t* pp, int64_t ps, const
       const __m512 a = _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][2 * z], ix0, acc[g][2 * z + 1]), s);
       const __m512 b = _mm512_mul_ps(_mm512_permutex2var_ps(acc[g][2 * z], ix1, acc[g][2 * z + 1]), s);
       float* oz = o[g] + d0 + 32 * z;
-      _mm512_mask_storeu_ps(oz, w >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << w) - 1), a);
-      if (w > 16)
-        _mm512_mask_storeu_ps(oz + 16, w >= 32 ? static_cast<__mmask16>(0xFFFF)
-                                               : static_cast<__mmask16>((1u << (w - 16)) - 1), b);
+      _mm512_mask_storeu_ps(oz, first16(w), a);
+      if (w > 16) _mm512_mask_storeu_ps(oz + 16, first16(w - 16), b);
     }
   }
 }
@@ -589,7 +598,7 @@ DRAFTHEAD_AVX512_BF16 void softmax_pairs(float* score, int64_t ps, int64_t n, co
     const __m512 m16 = _mm512_set1_ps(top[g]);
     __m512 tot = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 m = first16(n - j);
       const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), m16)));
       tot = _mm512_add_ps(tot, e);
       const __m256i hi = (__m256i)_mm512_cvtneps_pbh(e);
@@ -621,7 +630,8 @@ DRAFTHEAD_AVX512_BF16 void wsum_bf16(const float* p, int64_t ps, const int64_t* 
 
 bool g_avx512_bf16 = true;  // tests turn it off to run the AVX2 code on a CPU that has both
 
-// Whether bf16 attention and SiLU run their AVX512-BF16 code: the CPU has it (checked once) and it is on.
+// Whether bf16 attention and elementwise ops (SiLU, norms, RoPE, adds, roundings) run their AVX512-BF16 code: the
+// CPU has it (checked once) and it is on.
 bool avx512_bf16() {
   static const bool has = cpu_avx512() && __builtin_cpu_supports("avx512bf16");
   return has && g_avx512_bf16;
@@ -852,16 +862,6 @@ inline void store8(uint16_t* p, __m256 v) {  // v already rounded: its high halv
 // tests compare the bits with torch's ops). The CPU chooses the code once, never the row count. A SmolLM2 bf16
 // forward's norms, RoPE, adds and rounding at 8 tokens: 0.30-0.36 -> 0.22-0.33 ms (phase timers, two runs each,
 // AVX512-BF16 Zen 5 EPYC); the logits' bits are the same.
-DRAFTHEAD_AVX512_BF16 inline __mmask16 first16(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
-}
-DRAFTHEAD_AVX512_BF16 inline __m512 load16(const uint16_t* p, __mmask16 m) {
-  return widen16(_mm256_maskz_loadu_epi16(m, p));
-}
-DRAFTHEAD_AVX512_BF16 inline __m512 round16(__m512 v) { return widen16((__m256i)_mm512_cvtneps_pbh(v)); }
-DRAFTHEAD_AVX512_BF16 inline void store16(uint16_t* p, __mmask16 m, __m512 v) {
-  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
-}
 
 // y = bf16(w * bf16(x * r)): rms_norm's second pass.
 DRAFTHEAD_AVX512_BF16 void norm_scale_bf16(const uint16_t* x, const uint16_t* w, float r, uint16_t* y, int64_t H) {
@@ -1033,13 +1033,11 @@ inline __m256 silu8(__m256 g) {
 // output there needs a gate below about -87, which the exp clamp already bends.
 DRAFTHEAD_AVX512_BF16 void silu_mul_bf16(const uint16_t* g, const uint16_t* u, uint16_t* y, int64_t I) {
   for (int64_t i = 0; i < I; i += 16) {
-    const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
-    const __m512 gv = widen16(_mm256_maskz_loadu_epi16(m, g + i));
-    const __m512 uv = widen16(_mm256_maskz_loadu_epi16(m, u + i));
+    const __mmask16 m = first16(I - i);
+    const __m512 gv = load16(g + i, m), uv = load16(u + i, m);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
     const __m512 num = _mm512_mask_mul_ps(gv, _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ), gv, e);
-    const __m256i s = (__m256i)_mm512_cvtneps_pbh(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    _mm256_mask_storeu_epi16(y + i, m, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(widen16(s), uv)));
+    store16(y + i, m, _mm512_mul_ps(round16(_mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e))), uv));
   }
 }
 
@@ -1405,7 +1403,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("avx512_bf16", [](c10::optional<bool> on) {
     if (on.has_value()) g_avx512_bf16 = *on;
     return avx512_bf16();
-  }, "whether bf16 attention and SiLU run their AVX512-BF16 code (the CPU has it and it is on); on: turn it on / "
+  }, "whether bf16 attention and elementwise ops run their AVX512-BF16 code (the CPU has it and it is on); on: turn it on / "
         "off (tests)", py::arg("on") = py::none());
   m.def("avx512_tiles", [](c10::optional<bool> on) {
     if (on.has_value()) g_avx512_tiles = *on;
