@@ -1,6 +1,6 @@
 """Train a speculative-decoding draft head for a frozen target.
 
-    python train.py                                      # the embedded default (recipes/default.yaml): 1 CPU process, 60 min
+    python train.py                                      # the embedded default: 1 CPU process, 60 min
     python train.py data.max_samples=16 train.max_steps=4
     torchrun --nproc_per_node 8 train.py recipe=NAME     # a GPU recipe from recipes/ (DeepSpeed ZeRO-2)
     torchrun --nproc_per_node 2 train.py train.deepspeed=zero2   # CPU: DS_ACCELERATOR=cpu is set for you
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -28,25 +29,31 @@ from drafthead.registry import family, save_draft
 from drafthead.target import load_target
 from trainer import engine as L
 from trainer.budget import StepClock, budget_record, plan_run, refit_after_capture
-from trainer.capture import CaptureError, ShardedFeatures, capture_offline
-from trainer.config import as_dict, parse_or_exit, to_yaml
+from trainer.capture import ShardedFeatures, capture_offline
+from trainer.config import RunConfig, as_dict, parse_or_exit, to_yaml
 from trainer.data import write_jsonl
-from trainer.dist import barrier, init_distributed
+from trainer.dist import Dist, barrier, init_distributed
+from trainer.interrupt import GracefulStop, Interrupted, signal_name
+from trainer.runlock import run_lock_on_rank0
 from trainer.prepare import build_draft, feature_dtype, prepare_samples
 
 
 def main(argv: list[str]) -> Path:
-    # --- config and distributed -----------------------------------------------------------------
-    cfg = parse_or_exit(argv)
+    # --- config, distributed, the run folder's lock, signals --------------------------------------
+    cfg = parse_or_exit(argv)  # every option checked here, before anything loads
     L.retain_freed_memory()  # big per-step tensors reuse the heap instead of fresh page faults
     d = init_distributed()
+    log = print if d.main else (lambda *a, **k: None)
+    run_dir = Path(cfg.output_dir)
+    folders = [run_dir] + ([Path(cfg.capture.dir)] if cfg.capture.mode == "offline" and cfg.capture.dir else [])
+    with run_lock_on_rank0(folders, d, log), GracefulStop() as stop:
+        return train(cfg, argv, d, run_dir, stop, log)
+
+
+def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: GracefulStop, log) -> Path:
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     torch.manual_seed(cfg.seed)
-    run_dir = Path(cfg.output_dir)
-    log = print if d.main else (lambda *a, **k: None)
-    if d.main:
-        run_dir.mkdir(parents=True, exist_ok=True)
     barrier(d)
     t_start = time.perf_counter()
     phases: dict[str, float] = {}  # wall seconds per phase, planned vs actual in the final record
@@ -88,7 +95,7 @@ def main(argv: list[str]) -> Path:
         if d.main:
             capture_offline(target, prep.train, cap_dir, layer_ids, feat_dtype, cfg.capture.shard_samples,
                             cfg.capture.batch_tokens, progress=cfg.logging.progress, argmax=store_argmax,
-                            after_shard=L.trim_freed_memory)
+                            after_shard=L.trim_freed_memory, stop=stop)
         barrier(d)
         L.trim_freed_memory()  # the capture's shard buffers are not needed again
         feats = ShardedFeatures(cap_dir)
@@ -110,9 +117,8 @@ def main(argv: list[str]) -> Path:
     epochs = cfg.train.epochs or 1.0
     total_steps = cfg.train.max_steps or max(1, math.ceil(epochs * per_epoch / cfg.train.grad_accum))
     engine = L.build_engine(drafter, cfg, total_steps, d)
-    logger = L.Logger(run_dir, cfg, d, as_dict(cfg))
 
-    # --- resume ----------------------------------------------------------------------------------
+    # --- resume (the checkpoint must come from this target; metrics cut back to its step) -----------
     state = {"epoch": 0, "batch_in_epoch": 0, "tokens_seen": 0}
     step = 0
     ckpts = L.list_checkpoints(run_dir)
@@ -120,9 +126,10 @@ def main(argv: list[str]) -> Path:
     if resume == "true" and not ckpts:
         raise SystemExit(f"error: train.resume=true but {run_dir}/checkpoints has no checkpoint")
     if resume in ("auto", "true") and ckpts:
-        state = L.load_checkpoint(ckpts[-1], engine, d)
+        state = L.load_checkpoint(ckpts[-1], engine, d, target.fingerprint, cfg.target.allow_mismatch, log)
         step = state["step"]
         log(f"resumed from {ckpts[-1]} (step {step}, epoch {state['epoch']}, batch {state['batch_in_epoch']})")
+    logger = L.Logger(run_dir, cfg, d, as_dict(cfg), start_step=step)
 
     if plan is not None and step == 0:
         logger.log({"step": 0, "budget_plan": plan.to_dict()})
@@ -145,66 +152,77 @@ def main(argv: list[str]) -> Path:
     stop_after = cfg.train.stop_after_steps
     steps_this_process = 0
     done = step >= total_steps
-    while not done:
-        batches = L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, state["epoch"], d.world, d.rank,
-                                  cfg.train.batch_tokens)
-        for bi in range(state["batch_in_epoch"], len(batches)):
-            batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline, d.device,
-                                 store_argmax)
-            out = L.forward_backward(engine, batch, head, cfg.train.dtype, d.device)
-            ntok = int(batch["attention_mask"].sum())
-            tput.add(ntok)
-            state["tokens_seen"] += ntok
-            acc_c += out["correct"].detach().cpu()
-            acc_n += out["count"].detach().cpu()
-            loss_sum += float(out["loss"].detach())
-            n_micro += 1
-            lr = engine.lr()  # the rate this optimizer step uses (the scheduler moves on inside step())
-            if not engine.step():
-                continue
-            step += 1
-            steps_this_process += 1
-            state.update(epoch=state["epoch"], batch_in_epoch=bi + 1)
-            bar.update(1)
-            heap_cap()
-            if step % cfg.logging.log_every == 0 or step == total_steps:
-                c, n = L.all_reduce_sum(acc_c, d), L.all_reduce_sum(acc_n, d)
-                acc = (c / n.clamp(min=1)).tolist()
-                ls = L.all_reduce_sum(torch.tensor([loss_sum, float(n_micro)], dtype=torch.float64), d)
-                row = {"step": step, "epoch": state["epoch"] + (bi + 1) / len(batches), "loss": float(ls[0] / ls[1]),
-                       "lr": lr, **{f"acc_{i}": a for i, a in enumerate(acc)},
-                       "tokens_per_s": tput.rate() * d.world, "tokens_seen": state["tokens_seen"] * d.world,
-                       "wall_s": round(time.perf_counter() - t_start, 1)}  # since this process started
-                logger.log(row)
-                bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-                acc_c.zero_(), acc_n.zero_()
-                loss_sum, n_micro = 0.0, 0
-            if clock.due(step):
-                total_steps = clock.refit(step, time.perf_counter() - t_start, d, run_dir, log)
-                engine.set_total_steps(total_steps)
-                bar.total = total_steps
-                bar.refresh()
-            t_side = time.perf_counter()
-            if eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == total_steps):
-                last_eval = L.evaluate(engine.module, eval_batches, head, d)
-                logger.log({"step": step, **last_eval, "wall_s": round(time.perf_counter() - t_start, 1)})
-                block = last_eval.get("eval/block_accept_len")  # block drafters measure it per block
-                log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
-                    + (f"block accept len {block:.2f}" if block is not None else
-                       f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}"))
-                heap_cap.trim()
-                clock.spent("eval", time.perf_counter() - t_side)
-            t_side = time.perf_counter()
-            if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
-                    stop_after and steps_this_process >= stop_after):
-                L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints)
-                heap_cap.trim()
-                clock.spent("save", time.perf_counter() - t_side)
-            if step >= total_steps or (stop_after and steps_this_process >= stop_after):
-                done = True
-                break
-        else:
-            state.update(epoch=state["epoch"] + 1, batch_in_epoch=0)
+    with stop.deferred():  # a signal now waits for the end of the step in flight
+        while not done:
+            batches = L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, state["epoch"], d.world, d.rank,
+                                      cfg.train.batch_tokens)
+            for bi in range(state["batch_in_epoch"], len(batches)):
+                batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline,
+                                     d.device, store_argmax)
+                out = L.forward_backward(engine, batch, head, cfg.train.dtype, d.device)
+                ntok = int(batch["attention_mask"].sum())
+                tput.add(ntok)
+                state["tokens_seen"] += ntok
+                acc_c += out["correct"].detach().cpu()
+                acc_n += out["count"].detach().cpu()
+                loss_sum += float(out["loss"].detach())
+                n_micro += 1
+                lr = engine.lr()  # the rate this optimizer step uses (the scheduler moves on inside step())
+                if not engine.step():
+                    continue
+                step += 1
+                steps_this_process += 1
+                state.update(epoch=state["epoch"], batch_in_epoch=bi + 1)
+                bar.update(1)
+                heap_cap()
+                if step % cfg.logging.log_every == 0 or step == total_steps:
+                    c, n = L.all_reduce_sum(acc_c, d), L.all_reduce_sum(acc_n, d)
+                    acc = (c / n.clamp(min=1)).tolist()
+                    ls = L.all_reduce_sum(torch.tensor([loss_sum, float(n_micro)], dtype=torch.float64), d)
+                    row = {"step": step, "epoch": state["epoch"] + (bi + 1) / len(batches),
+                           "loss": float(ls[0] / ls[1]), "lr": lr, **{f"acc_{i}": a for i, a in enumerate(acc)},
+                           "tokens_per_s": tput.rate() * d.world, "tokens_seen": state["tokens_seen"] * d.world,
+                           "wall_s": round(time.perf_counter() - t_start, 1)}  # since this process started
+                    logger.log(row)
+                    bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}",
+                                    tok_s=f"{row['tokens_per_s']:.0f}")
+                    acc_c.zero_(), acc_n.zero_()
+                    loss_sum, n_micro = 0.0, 0
+                if clock.due(step):
+                    total_steps = clock.refit(step, time.perf_counter() - t_start, d, run_dir, log)
+                    engine.set_total_steps(total_steps)
+                    bar.total = total_steps
+                    bar.refresh()
+                t_side = time.perf_counter()
+                if eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0)
+                                     or step == total_steps):
+                    last_eval = L.evaluate(engine.module, eval_batches, head, d)
+                    logger.log({"step": step, **last_eval, "wall_s": round(time.perf_counter() - t_start, 1)})
+                    block = last_eval.get("eval/block_accept_len")  # block drafters measure it per block
+                    log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
+                        + (f"block accept len {block:.2f}" if block is not None else
+                           f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}"))
+                    heap_cap.trim()
+                    clock.spent("eval", time.perf_counter() - t_side)
+                t_side = time.perf_counter()
+                signum = stop.stop_now(d)  # every rank agrees on the step it stops at
+                if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
+                        stop_after and steps_this_process >= stop_after) or signum is not None:
+                    ckpt = L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints,
+                                             target.fingerprint)
+                    heap_cap.trim()
+                    clock.spent("save", time.perf_counter() - t_side)
+                if signum is not None:
+                    bar.close()
+                    logger.close()
+                    again = "the same torchrun command" if d.world > 1 else f"python train.py {shlex.join(argv)}"
+                    raise Interrupted(signum, f"stopped by {signal_name(signum)} at step {step} of {total_steps}; "
+                                      f"checkpoint {ckpt}; resume with {again}")
+                if step >= total_steps or (stop_after and steps_this_process >= stop_after):
+                    done = True
+                    break
+            else:
+                state.update(epoch=state["epoch"] + 1, batch_in_epoch=0)
     bar.close()
     phases["train"] = time.perf_counter() - t_start - sum(phases.values())
     phases["total"] = time.perf_counter() - t_start  # of this process (a resumed run counts from its restart)
@@ -233,7 +251,14 @@ def main(argv: list[str]) -> Path:
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ValueError, FileNotFoundError, CaptureError) as e:  # bad input (BudgetError too): one clear line
+    except Interrupted as e:  # SIGINT / SIGTERM: what was saved and how to resume, exit 128 + signal
+        print(f"{e}", file=sys.stderr)
+        sys.exit(e.code)
+    except KeyboardInterrupt:  # before the handlers were installed
+        print("stopped by SIGINT", file=sys.stderr)
+        sys.exit(130)
+    except (ValueError, OSError) as e:  # bad input (BudgetError, CaptureError too), a run folder in use
+        # (RunLockError), a read-only or full disk (WriteError): one clear line
         if os.environ.get("DRAFTHEAD_TRACEBACK"):
             raise
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)

@@ -6,6 +6,7 @@ Commands are "module:function" strings imported only when run, so `drafthead/` d
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS: dict[str, str] = {
@@ -28,9 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     module, func = COMMANDS[cmd].split(":")
     try:
         return int(getattr(importlib.import_module(module), func)(rest) or 0)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
+    except (ValueError, OSError) as e:  # bad input, a folder in use, a read-only or full disk: one clear line
+        if os.environ.get("DRAFTHEAD_TRACEBACK"):
+            raise
         print(f"drafthead {cmd}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # commands without a checkpoint to write: everything they write is atomic
+        print(f"drafthead {cmd}: stopped by SIGINT", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ what the target's `lm_head` reads, so teacher logits can be recomputed from it.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +41,23 @@ class Target:
     def hidden_size(self) -> int:
         return self.model.config.hidden_size
 
+    @functools.cached_property
+    def fingerprint(self) -> dict[str, str]:
+        """Which target this is (drafthead/fingerprint.py): recorded in every draft and checkpoint, checked by
+        eval, bench, export and resume. Computed once per load and remembered for the target's files."""
+        from drafthead import fingerprint
+
+        fp = fingerprint.compute(self.model, self.tokenizer)
+        with contextlib.suppress(FileNotFoundError):
+            fingerprint.remember(*resolve_target(self.name_or_path, self.gguf_file), fp)
+        return fp
+
     def info(self) -> dict:
         c = self.model.config
         return {"name_or_path": self.name_or_path, "gguf_file": self.gguf_file,
                 "architecture": (getattr(c, "architectures", None) or [type(self.model).__name__])[0],
                 "model_type": c.model_type, "num_hidden_layers": c.num_hidden_layers,
-                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size}
+                "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "fingerprint": self.fingerprint}
 
 
 def resolve_target(name_or_path: str, gguf_file: str | None = None) -> tuple[str, str | None]:
@@ -80,6 +93,27 @@ def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "a
     tok = load_tokenizer(path, gguf)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw)
     return freeze(Target(model.to(device), tok, name_or_path, gguf))
+
+
+def local_target_fingerprint(name_or_path: str, gguf_file: str | None = None
+                             ) -> tuple[dict[str, str] | None, str]:
+    """(the fingerprint of a target on this machine, from the cache or by loading it on the CPU; why not,
+    when None: not on this machine, e.g. a hub id not downloaded, or not loadable as a model)."""
+    from drafthead.fingerprint import recall
+
+    try:
+        path, gguf = resolve_target(name_or_path, gguf_file)
+    except FileNotFoundError:
+        return None, f"target {name_or_path!r} is not on this machine"
+    if not Path(path, gguf or "").exists():
+        return None, f"target {name_or_path!r} is not on this machine"
+    fp = recall(path, gguf)
+    if fp is None:
+        try:
+            fp = load_target(name_or_path, gguf_file, dtype="auto").fingerprint  # caches it
+        except (OSError, ValueError, KeyError, RuntimeError) as e:  # e.g. a folder holding only a tokenizer GGUF
+            return None, f"target {name_or_path!r} could not be loaded ({type(e).__name__}: {str(e)[:200]})"
+    return fp, ""
 
 
 def load_tokenizer(path: str, gguf: str | None = None) -> Any:

@@ -52,6 +52,8 @@ class EvalConfig:
     # fp32 CPU targets: the decode kernel streams the target's weights as bf16 or int8 (rounded in place for
     # prompts too); null = as loaded
     weights: str | None = None
+    allow_target_mismatch: bool = False  # run a draft on a target whose fingerprint is not the one it was
+    # trained on (the same model in another format, say); the report states the mismatch
     progress: bool = True
 
 
@@ -120,21 +122,27 @@ def resolve_device(device: str) -> str:
 
 
 def load_models(draft: str | None, target: str | None, gguf_file: str | None, device: str,
-                dtype: str = "auto") -> tuple[Any, Any]:
+                dtype: str = "auto", allow_target_mismatch: bool = False) -> tuple[Any, Any, str | None]:
     """The target (given, or named by the draft's config.json) and the drafter on top of its embedding,
-    both in `dtype` (the drafter follows the target's)."""
+    both in `dtype` (the drafter follows the target's), and a note when the target's identity could not be
+    confirmed. A target whose fingerprint is not the one the draft recorded is an error (TargetMismatch)
+    unless `allow_target_mismatch`; then the note says so."""
+    from drafthead.fingerprint import compare
     from drafthead.registry import load_draft, read_draft_config
     from drafthead.target import lm_head_weight, load_target
 
-    if draft:
-        meta = read_draft_config(draft)
-        if target is None:
-            target, gguf_file = meta["target"]["name_or_path"], gguf_file or meta["target"].get("gguf_file")
+    meta = read_draft_config(draft) if draft else {}
+    if draft and target is None:
+        target, gguf_file = meta["target"]["name_or_path"], gguf_file or meta["target"].get("gguf_file")
     tgt = load_target(target, gguf_file, dtype=dtype, device=device)
+    note = compare(meta["target"].get("fingerprint"), tgt.fingerprint, allow_target_mismatch, f"draft {draft}",
+                   "allow_target_mismatch") if draft else None
+    if note:
+        print(f"warning: {note}")
     weight = tgt.model.get_input_embeddings().weight
     drafter = load_draft(draft, embed_weight=weight, device=device, head_weight=lm_head_weight(tgt.model),
                          target=tgt.model).to(weight.dtype) if draft else None
-    return tgt, drafter
+    return tgt, drafter, note
 
 
 def spec_configs(cfg: EvalConfig, mode: str) -> tuple[Any, Any]:
@@ -160,9 +168,12 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
     device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    target_check = "not checked: the caller passed the target object" if target is not None else None
     if target is None:
         print(f"loading target {cfg.target or '(from the draft config)'} and draft {cfg.draft} on {device} ...")
-        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype)
+        target, drafter, target_check = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype,
+                                                    cfg.allow_target_mismatch)
+        target_check = target_check or ("same target as the draft's (fingerprint)" if drafter is not None else None)
     if cfg.mode is None and drafter is not None:
         mode = drafter.draft_modes[0]
     if generator is None:
@@ -186,6 +197,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "target": getattr(target, "name_or_path", None), "gguf_file": getattr(target, "gguf_file", None),
                 "drafter_family": getattr(drafter, "family", None) if drafter is not None else None,
                 "dtype": str(target.model.dtype).removeprefix("torch."),
+                "target_check": target_check,
                 "machine": machine_info(device)}
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
                           num_prompts=len(samples))

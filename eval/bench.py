@@ -54,6 +54,7 @@ class BenchConfig:
     threads: int | None = None
     weights: str | None = None  # fp32 CPU targets: bf16 | int8 weights in the decode kernel (see drafthead eval)
     out: str | None = None  # bench.json path, or a directory to write bench.json into
+    allow_target_mismatch: bool = False  # as in drafthead eval: the mismatch is then stated in bench.json
     progress: bool = True
 
 
@@ -270,8 +271,11 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    target_check = "not checked: the caller passed the target object" if target is not None else None
     if target is None:
-        target, drafter = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype)
+        target, drafter, target_check = load_models(cfg.draft, cfg.target, cfg.gguf_file, device, cfg.dtype,
+                                                    cfg.allow_target_mismatch)
+        target_check = target_check or ("same target as the draft's (fingerprint)" if drafter is not None else None)
     generator = generator or SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)
     tok = target.tokenizer
     prompts = [chat_prompt(tok, [{"role": "user", "content": s.turns[0]}]) for s in samples]
@@ -321,7 +325,8 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
 
     result = {"settings": {**dataclasses.asdict(cfg), "target": getattr(target, "name_or_path", None),
                            "weights_dtype": str(target.model.dtype).removeprefix("torch."),
-                           "num_prompts": len(prompts), "machine": machine_info(device)},
+                           "num_prompts": len(prompts), "machine": machine_info(device),
+                           "target_check": target_check},
               "methods": {n: {k: v for k, v in r.items() if k != "outputs"} for n, r in rows.items()},
               "verify_cost": curve,
               "bandwidth_bound": bound,

@@ -120,7 +120,7 @@ def render_markdown(r: dict) -> str:
              f"{st.get('max_new_tokens')}, temperature {spec.get('temperature')}, device "
              f"{st.get('machine', {}).get('device')} (CPU class {st.get('machine', {}).get('cpu_class')}), "
              f"{st.get('machine', {}).get('torch_threads')} torch threads, dtype {st.get('dtype')}.",
-             "", f"**{r['verdict']}**", "",
+             "", f"Target check: {st.get('target_check') or 'n/a'}.", "", f"**{r['verdict']}**", "",
              "| metric | value |", "|---|---|"]
     for k in ("acceptance_length", "mean_accepted_per_round", "tokens_per_s", "baseline_tokens_per_s", "speedup",
               "pays_off", "lossless", "generated_tokens", "target_forwards"):

@@ -111,7 +111,7 @@ def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], th
     except Exception as e:  # the runtime is optional here
         return f"unavailable: {type(e).__name__}: {e}"
     torch.set_num_threads(threads)
-    target, drafter = load_models(draft, None, None, "cpu")
+    target, drafter, _ = load_models(draft, None, None, "cpu")
     gen = SpeculativeGenerator(target, drafter, device="cpu")
     ids = [target.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
     mode = drafter.draft_modes[0]

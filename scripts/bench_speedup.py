@@ -41,7 +41,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     a.dtype = resolve_dtype_name(a.dtype, "cpu", "target")
-    target, drafter = load_models(a.draft, None, None, "cpu", a.dtype)
+    target, drafter, _ = load_models(a.draft, None, None, "cpu", a.dtype)
     tok = target.tokenizer
     gen = SpeculativeGenerator(target, drafter)
     # each method: (prompt ids, max new tokens) -> (new tokens, verify rounds or None), as in `drafthead bench`

@@ -19,6 +19,7 @@ from drafthead.assets import asset_path
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
 from drafthead.export import export
 from drafthead.export import llama_cpp as lc
+from drafthead.export.common import GGUF_FINGERPRINT_KEY
 from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
 from drafthead.registry import save_draft
 from drafthead.target import capture, load_target
@@ -245,8 +246,10 @@ def test_gguf_equals_llama_cpp_converter(world, tmp_path):
     assert a["eagle3.target_layers"] == b["eagle3.target_layers"] == (9, 5, [3, 12, 25])
     assert a["eagle3.feed_forward_length"][2] == b["eagle3.feed_forward_length"][2] == 2 * target.config.intermediate_size
     for k in sorted(set(a) | set(b)):
-        if k.startswith("general.") or k in ("eagle3.norm_before_fc", "tokenizer.ggml.add_space_prefix"):
-            continue  # names/labels; norm_before_fc is false either way; add_space_prefix is false in both
+        if k.startswith("general.") or k in ("eagle3.norm_before_fc", "tokenizer.ggml.add_space_prefix",
+                                              GGUF_FINGERPRINT_KEY):
+            continue  # names/labels; norm_before_fc is false either way; add_space_prefix is false in both;
+            # the target's fingerprint is ours alone (llama.cpp ignores the key)
         assert a.get(k) == b.get(k), k
     ta = {t.name: t for t in gguf.GGUFReader(str(ours)).tensors}
     tb = {t.name: t for t in gguf.GGUFReader(str(conv)).tensors}

@@ -16,6 +16,7 @@ missing shard without duplicating or losing samples.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -26,8 +27,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from drafthead.io import atomic_write_json, clean_stale_tmp
+from drafthead.io import atomic_write_json, clean_stale_tmp, writing
 from drafthead.target import Target, capture, full_argmax, lm_head_weight
+from trainer.interrupt import GracefulStop, Interrupted, signal_name
 
 MANIFEST = "manifest.json"
 FORMAT = "drafthead-capture-2"  # 2: optional stored target argmax
@@ -76,8 +78,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-class CaptureError(RuntimeError):
-    pass
+class CaptureError(ValueError):
+    """A capture folder that does not match the run, or shards that are missing, cut short or changed."""
 
 
 def read_manifest(folder: str | Path) -> dict | None:
@@ -107,18 +109,22 @@ def verify_shards(folder: str | Path, manifest: dict, checksum: bool = True) -> 
 def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, layer_ids: list[int],
                     dtype: torch.dtype = torch.bfloat16, shard_samples: int = 256, batch_tokens: int = 4096,
                     progress: bool = True, argmax: bool = False,
-                    after_shard: Callable[[], Any] | None = None) -> dict:
+                    after_shard: Callable[[], Any] | None = None, stop: GracefulStop | None = None) -> dict:
     """Capture features for `samples` into `out_dir`, resuming where a previous run stopped. `argmax`:
     also store the target's full-vocabulary argmax (see the module docstring). `after_shard` runs once each
-    shard is on disk (train.py hands the freed heap back there: batches of varying shapes fragment it)."""
+    shard is on disk (train.py hands the freed heap back there: batches of varying shapes fragment it).
+    `stop`: a SIGINT/SIGTERM lets the shard in flight finish and land, then raises `Interrupted`."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
     clean_stale_tmp(out)
     spec = {"format": FORMAT, "target": target.info(), "layer_ids": list(layer_ids), "dtype": str(dtype).split(".")[-1],
             "hidden_size": target.hidden_size, "num_samples": len(samples), "shard_samples": shard_samples,
             "sample_ids": _ids_digest(samples), "argmax": bool(argmax)}
     manifest = read_manifest(out)
     if manifest is not None:
+        if "fingerprint" not in manifest.get("target", {}):  # captured before targets had fingerprints
+            spec["target"] = {k: v for k, v in spec["target"].items() if k != "fingerprint"}
         for k in ("format", "target", "layer_ids", "dtype", "hidden_size", "num_samples", "shard_samples",
                   "sample_ids", "argmax"):
             if manifest.get(k) != spec[k]:
@@ -134,19 +140,26 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
     bar = tqdm(total=n_tok_total, unit="tok", desc="capture", disable=not progress, dynamic_ncols=True)
     bar.update(sum(sh["num_tokens"] for sh in manifest["shards"]))
     for first in todo:
-        chunk = samples[first: first + shard_samples]
-        tensors = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar, argmax)
-        name = f"shard_{first // shard_samples:05d}.safetensors"
-        tmp = out / f".{name}.tmp-w"
-        save_file(tensors, str(tmp), metadata={"ids": json.dumps([s["id"] for s in chunk])})
-        tmp.replace(out / name)
-        p = out / name
-        manifest["shards"].append({"file": name, "first_sample": first, "num_samples": len(chunk),
-                                   "num_tokens": int(tensors["input_ids"].numel()), "bytes": p.stat().st_size,
-                                   "sha256": _sha256(p)})
-        manifest["shards"].sort(key=lambda s: s["first_sample"])
-        atomic_write_json(out / MANIFEST, manifest)
-        del tensors
+        with stop.deferred() if stop is not None else contextlib.nullcontext():
+            chunk = samples[first: first + shard_samples]
+            tensors = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar, argmax)
+            name = f"shard_{first // shard_samples:05d}.safetensors"
+            tmp = out / f".{name}.tmp-w"
+            with writing(out / name):
+                save_file(tensors, str(tmp), metadata={"ids": json.dumps([s["id"] for s in chunk])})
+                tmp.replace(out / name)
+            p = out / name
+            manifest["shards"].append({"file": name, "first_sample": first, "num_samples": len(chunk),
+                                       "num_tokens": int(tensors["input_ids"].numel()), "bytes": p.stat().st_size,
+                                       "sha256": _sha256(p)})
+            manifest["shards"].sort(key=lambda s: s["first_sample"])
+            atomic_write_json(out / MANIFEST, manifest)
+            del tensors
+        if stop is not None and stop.requested is not None:
+            bar.close()
+            raise Interrupted(stop.requested, f"capture stopped by {signal_name(stop.requested)} with "
+                              f"{len(manifest['shards'])} of {-(-len(samples) // shard_samples)} shards in {out}; "
+                              f"the same command resumes at the next shard")
         if after_shard is not None:
             after_shard()
     bar.close()

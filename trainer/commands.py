@@ -1,9 +1,13 @@
 """`drafthead capture`: the trainer's command-line entry (the other commands: drafthead/cli.py)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
+
+from trainer.interrupt import GracefulStop, Interrupted
+from trainer.runlock import run_lock_on_rank0
 
 
 def capture(argv: list[str]) -> int:
@@ -18,18 +22,23 @@ def capture(argv: list[str]) -> int:
 
     cfg = parse_or_exit(argv)
     fam = family(cfg.drafter.family)
-    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
     run_dir = Path(cfg.output_dir)
-    prep = prepare_samples(cfg, target, Dist(), run_dir)
-    # the layer ids the family's drafter would capture for this target (its config, never its weights)
-    config = fam.build(target.config, getattr(cfg.drafter, fam.name), cfg.capture.layer_ids, None)
-    with torch.device("meta"):
-        layer_ids = fam.model(config).capture_layer_ids()
-    check_layer_ids(layer_ids, target.num_layers)
     out = Path(cfg.capture.dir or run_dir / "capture")
-    m = capture_offline(target, prep.train, out, layer_ids, feature_dtype(cfg.capture.dtype),
-                        cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress,
-                        argmax=fam.reduced_vocab)
+    try:
+        with run_lock_on_rank0([run_dir, out], Dist()), GracefulStop() as stop:
+            target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
+            prep = prepare_samples(cfg, target, Dist(), run_dir)
+            # the layer ids the family's drafter would capture for this target (its config, never its weights)
+            config = fam.build(target.config, getattr(cfg.drafter, fam.name), cfg.capture.layer_ids, None)
+            with torch.device("meta"):
+                layer_ids = fam.model(config).capture_layer_ids()
+            check_layer_ids(layer_ids, target.num_layers)
+            m = capture_offline(target, prep.train, out, layer_ids, feature_dtype(cfg.capture.dtype),
+                                cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress,
+                                argmax=fam.reduced_vocab, stop=stop)
+    except Interrupted as e:  # the shards on disk are kept; the same command resumes
+        print(f"drafthead capture: {e}", file=sys.stderr)
+        return e.code
     print(f"captured {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards -> {out}\n"
           f"next: python train.py recipe={cfg.recipe} capture.mode=offline capture.dir={out}")
     return 0

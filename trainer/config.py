@@ -7,6 +7,7 @@ closest valid one.
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ class TargetConfig:
     name_or_path: str = "smollm2-135m-instruct"  # built-in name, HF dir / hub id, or a .gguf path
     gguf_file: str | None = None
     dtype: str = "auto"  # auto = bf16 where native (CUDA, AMX / AVX512-BF16 CPUs), fp32 elsewhere
+    allow_mismatch: bool = False  # resume a checkpoint written against a target with another fingerprint
+    # (the same model in another format, say); the mismatch is still printed
 
 
 @dataclass
@@ -229,6 +232,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'data.max_samples': {cfg.data.max_samples} (must be >= 1 or null)")
     if cfg.data.max_length < 8:
         raise ConfigError(f"bad value for 'data.max_length': {cfg.data.max_length} (must be >= 8)")
+    for key, val, ok, rule in _range_checks(cfg):
+        if val is not None and not ok(val):
+            raise ConfigError(f"bad value for '{key}': {val} (must be {rule})")
+    if cfg.train.deepspeed:
+        deepspeed_config_path(cfg.train.deepspeed)  # a name or file that does not exist fails here
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"bad value for 'output_dir': {out} exists and is not a directory")
+    if cfg.capture.dir and Path(cfg.capture.dir).exists() and not Path(cfg.capture.dir).is_dir():
+        raise ConfigError(f"bad value for 'capture.dir': {cfg.capture.dir} exists and is not a directory")
     from drafthead.registry import FAMILIES
 
     dc = cfg.drafter
@@ -239,6 +252,54 @@ def validate(cfg: RunConfig) -> None:
     except ValueError as e:  # "<key>: <why>" from the family's options
         key, _, why = str(e).partition(": ")
         raise ConfigError(f"bad value for 'drafter.{dc.family}.{key}': {why}") from None
+
+
+def _range_checks(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
+    """(key, value, predicate, rule) for every numeric option: checked when the recipe is parsed, so a bad
+    value is one line naming its key before the target, the data or the drafter load. None = null, allowed."""
+    t, d, r, c, lg = cfg.train, cfg.data, cfg.data.regenerate, cfg.capture, cfg.logging
+    pos = (lambda v: v >= 1, ">= 1")
+    nonneg = (lambda v: v >= 0, ">= 0")
+    unit = (lambda v: 0 <= v < 1, "in [0, 1)")
+    checks = [("train.batch_size", t.batch_size, *pos), ("train.grad_accum", t.grad_accum, *pos),
+              ("train.max_steps", t.max_steps, *pos), ("train.batch_tokens", t.batch_tokens, *pos),
+              ("train.lr", t.lr, lambda v: v > 0 and math.isfinite(v), "> 0"),
+              ("train.min_lr_ratio", t.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]"),
+              ("train.warmup_ratio", t.warmup_ratio, *unit), ("train.weight_decay", t.weight_decay, *nonneg),
+              ("train.grad_clip", t.grad_clip, *nonneg), ("train.save_every", t.save_every, *nonneg),
+              ("train.keep_checkpoints", t.keep_checkpoints, *pos), ("train.eval_every", t.eval_every, *nonneg),
+              ("train.eval_samples", t.eval_samples, *pos), ("train.stop_after_steps", t.stop_after_steps, *pos),
+              ("train.num_threads", t.num_threads, *pos),
+              ("train.betas", t.betas, lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
+              ("data.num_holdout", d.num_holdout, *nonneg),
+              ("data.regenerate.fraction", r.fraction, lambda v: 0 < v <= 1, "in (0, 1]"),
+              ("data.regenerate.max_new_tokens", r.max_new_tokens, *pos),
+              ("data.regenerate.temperature", r.temperature, *nonneg),
+              ("data.regenerate.top_p", r.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
+              ("data.regenerate.batch_size", r.batch_size, *pos), ("data.regenerate.max_turns", r.max_turns, *pos),
+              ("data.regenerate.max_prompt_tokens", r.max_prompt_tokens, *pos),
+              ("capture.shard_samples", c.shard_samples, *pos), ("capture.batch_tokens", c.batch_tokens, *pos),
+              ("capture.dtype", c.dtype, lambda v: v in CAPTURE_DTYPES, f"one of {', '.join(CAPTURE_DTYPES)}"),
+              ("capture.layer_ids", c.layer_ids, lambda v: len(v) > 0 and all(i >= 0 for i in v),
+               "a non-empty list of layer ids >= 0, or null"),
+              ("logging.log_every", lg.log_every, *pos)]
+    return checks
+
+
+CAPTURE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def deepspeed_config_path(name: str) -> Path:
+    """`train.deepspeed`: a JSON file, or a built-in name under recipes/deepspeed/."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    p = RECIPES_DIR / "deepspeed" / f"{name}.json"
+    if not p.is_file():
+        known = sorted(q.stem for q in (RECIPES_DIR / "deepspeed").glob("*.json"))
+        raise ConfigError(f"bad value for 'train.deepspeed': {name!r} is neither a file nor a built-in config "
+                          f"(known: {', '.join(known)})")
+    return p
 
 
 def to_yaml(cfg: RunConfig) -> str:

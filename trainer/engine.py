@@ -22,12 +22,14 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from drafthead.fingerprint import compare
 from drafthead.hardware import DTYPES, resolve_dtype
+from drafthead.io import atomic_write_bytes, writing
 from drafthead.layers import softmax_floored
 from drafthead.registry import not_saved
 from drafthead.target import Target, TargetHead
 from trainer.capture import collate, collate_features, features_for_batch
-from trainer.config import RECIPES_DIR, RunConfig
+from trainer.config import RunConfig, deepspeed_config_path
 from trainer.dist import Dist, all_reduce_sum, barrier
 
 
@@ -368,13 +370,7 @@ class DeepSpeedEngine:
 
 
 def resolve_deepspeed_config(name: str) -> dict:
-    p = Path(name)
-    if not p.is_file():
-        p = RECIPES_DIR / "deepspeed" / f"{name}.json"
-    if not p.is_file():
-        known = sorted(q.stem for q in (RECIPES_DIR / "deepspeed").glob("*.json"))
-        raise ValueError(f"train.deepspeed={name!r}: no such file or built-in config (known: {', '.join(known)})")
-    return json.loads(p.read_text())
+    return json.loads(deepspeed_config_path(name).read_text())
 
 
 def build_engine(model: nn.Module, cfg: RunConfig, total_steps: int, d: Dist) -> TorchEngine | DeepSpeedEngine:
@@ -396,9 +392,19 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, engine: Any, state: dict, d: Dist, keep: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, engine: Any, state: dict, d: Dist, keep: int,
+                    target_fingerprint: dict | None = None) -> Path:
+    """Write `checkpoints/step_N` atomically (a shared temp name, rank 0 renames). A full or read-only disk
+    raises a WriteError naming it; the last complete checkpoint stands."""
     ckpts = run_dir / "checkpoints"
     final = ckpts / f"step_{step}"
+    with writing(final):
+        _write_checkpoint(run_dir, ckpts, final, step, engine, state, d, keep, target_fingerprint)
+    return final
+
+
+def _write_checkpoint(run_dir: Path, ckpts: Path, final: Path, step: int, engine: Any, state: dict, d: Dist,
+                      keep: int, target_fingerprint: dict | None) -> None:
     tmp = ckpts / f".step_{step}.tmp"
     if d.main:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -409,7 +415,8 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, state: dict, d: Dist,
     barrier(d)
     if d.main:
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world": d.world,
-                                                            "engine": engine.kind}, indent=2))
+                                                            "engine": engine.kind,
+                                                            "target_fingerprint": target_fingerprint}, indent=2))
         shutil.copy(run_dir / "config.yaml", tmp / "config.yaml")
         if final.exists():
             shutil.rmtree(final)
@@ -417,7 +424,6 @@ def save_checkpoint(run_dir: Path, step: int, engine: Any, state: dict, d: Dist,
         for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     barrier(d)
-    return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -428,8 +434,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("_")[1]))
 
 
-def load_checkpoint(folder: Path, engine: Any, d: Dist) -> dict:
+def load_checkpoint(folder: Path, engine: Any, d: Dist, target_fingerprint: dict | None = None,
+                    allow_mismatch: bool = False, log=print) -> dict:
+    """Restore `engine` and the RNGs from `folder`; a checkpoint written against another target is an error
+    (TargetMismatch) unless `allow_mismatch`."""
     state = json.loads((folder / "trainer_state.json").read_text())
+    if target_fingerprint is not None:
+        note = compare(state.pop("target_fingerprint", None), target_fingerprint, allow_mismatch,
+                       f"checkpoint {folder}", "target.allow_mismatch")
+        if note:
+            log(f"warning: {note}")
     if state["world"] != d.world:
         raise ValueError(f"checkpoint {folder} was written by {state['world']} ranks; resume with the same "
                          f"--nproc_per_node (now {d.world})")
@@ -483,10 +497,12 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
 class Logger:
     """metrics.jsonl always; wandb (offline unless a key is configured) when enabled; rank 0 only."""
 
-    def __init__(self, run_dir: Path, cfg: RunConfig, d: Dist, config_dict: dict) -> None:
+    def __init__(self, run_dir: Path, cfg: RunConfig, d: Dist, config_dict: dict, start_step: int = 0) -> None:
         self.main = d.main
         self.path = run_dir / "metrics.jsonl"
         self.wandb = None
+        if self.main:
+            cut_metrics(self.path, start_step)
         if self.main and cfg.logging.wandb:
             try:
                 import wandb
@@ -501,7 +517,7 @@ class Logger:
     def log(self, row: dict) -> None:
         if not self.main:
             return
-        with open(self.path, "a") as f:
+        with writing(self.path), open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
@@ -509,6 +525,29 @@ class Logger:
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def cut_metrics(path: Path, step: int) -> int:
+    """Cut an append-only metrics file back to what a run starting at `step` (0: a fresh run; N: resumed from
+    checkpoint step_N) keeps: rows up to that step, less the end-of-run budget record, which the run writes
+    again. Rows logged after the checkpoint by the run that stopped would otherwise appear twice. A line cut
+    short by a kill is dropped. Returns the number of rows removed."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if step > 0 and row.get("step", 0) <= step and "budget" not in row:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
+    return dropped
 
 
 class Throughput:

@@ -13,6 +13,7 @@ nothing at `out`. docs/export.md lists the formats per family and the engines ea
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from drafthead.export.common import ExportError
 from drafthead.family import Family, resolve
 from drafthead.registry import FAMILIES, LoadedDraft, family, read_draft, read_draft_config
 
+log = logging.getLogger(__name__)
 FIXED = ("draft", "out", "target")  # every exporter's own arguments; the rest are its options
 
 
@@ -45,9 +47,32 @@ def formats(draft_dir: str | os.PathLike) -> dict[str, list[str]]:
     return {fmt: options(spec) for fmt, spec in _family_of(draft_dir).exporters.items()}
 
 
+def check_target(draft: LoadedDraft, target: str | None, allow_mismatch: bool = False) -> str | None:
+    """The export's target (`target=`, else the one the draft records) against the fingerprint the draft
+    recorded: a TargetMismatch unless `allow_mismatch`. Returns a note when it could not be checked (no
+    fingerprint recorded, or the target is not on this machine) or the mismatch was allowed."""
+    from drafthead.fingerprint import compare
+    from drafthead.target import local_target_fingerprint
+
+    recorded = draft.meta.get("target") or {}
+    if not recorded.get("fingerprint"):
+        return compare(None, {}, allow_mismatch, f"draft {draft.path}", "allow_target_mismatch")
+    name = target or recorded.get("name_or_path")
+    if not name:
+        return "the draft names no target: its fingerprint was not checked"
+    actual, why = local_target_fingerprint(name, None if target else recorded.get("gguf_file"))
+    if actual is None:
+        return f"{why}: its fingerprint was not checked"
+    try:
+        return compare(recorded["fingerprint"], actual, allow_mismatch, f"draft {draft.path}", "allow_target_mismatch")
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+
+
 def export(draft_dir: str | os.PathLike | LoadedDraft, to: str, out: str | os.PathLike, target: str | None = None,
-           **kw: Any) -> Path:
-    """Export the draft in `draft_dir` as format `to` to `out`; returns `out`."""
+           allow_target_mismatch: bool = False, **kw: Any) -> Path:
+    """Export the draft in `draft_dir` as format `to` to `out`; returns `out`. The target must be the one the
+    draft was trained on (its fingerprint), unless `allow_target_mismatch`."""
     fam = _family_of(draft_dir)
     if to not in fam.exporters:
         others = sorted({f for other in FAMILIES.values() for f in other.exporters} - set(fam.exporters))
@@ -59,6 +84,9 @@ def export(draft_dir: str | os.PathLike | LoadedDraft, to: str, out: str | os.Pa
     if unknown:
         raise ExportError(f"to={to} takes no option(s) {unknown}; it takes {sorted(takes)}")
     draft = draft_dir if isinstance(draft_dir, LoadedDraft) else read_draft(draft_dir, ExportError)
+    note = check_target(draft, target, allow_target_mismatch)
+    if note:
+        log.warning("%s", note)
     return resolve(spec)(draft, out, target=target, **{k: v for k, v in kw.items() if v is not None})
 
 
@@ -77,8 +105,12 @@ def main(argv: list[str]) -> int:
                           f"to=FORMAT out=PATH [target=NAME_OR_PATH] [option=value ...] (formats by family: "
                           f"{per_family})")
     draft, to, out, target = (args.pop(k, None) for k in ("draft", "to", "out", "target"))
+    allow = args.pop("allow_target_mismatch", False)
+    if not isinstance(allow, bool):
+        raise ExportError(f"allow_target_mismatch={allow!r}: use true or false")
     kw = {k: (str(v) if k in ("outtype", "verifier") else v) for k, v in args.items()}
-    path = export(str(draft), str(to), str(out), target=None if target is None else str(target), **kw)
+    path = export(str(draft), str(to), str(out), target=None if target is None else str(target),
+                  allow_target_mismatch=allow, **kw)
     print(f"exported {draft} as {to} to {path}")
     return 0
 

@@ -254,12 +254,27 @@ def dtype_name(state: dict[str, torch.Tensor]) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def write_hf_dir(out: str | os.PathLike, state: dict, config: dict) -> Path:
-    """`model.safetensors` + `config.json` into `out`, atomically, with umask permissions."""
+FINGERPRINT_KEY = "drafthead_target_fingerprint"  # a config field the engines ignore
+GGUF_FINGERPRINT_KEY = "drafthead.target_fingerprint"  # llama.cpp ignores keys it does not know
+
+
+def target_fingerprint(meta: dict) -> str | None:
+    """The fingerprint of the target the draft was trained on, as exports carry it (None if not recorded)."""
+    from drafthead.fingerprint import render
+
+    fp = (meta.get("target") or {}).get("fingerprint")
+    return render(fp) if fp else None
+
+
+def write_hf_dir(out: str | os.PathLike, state: dict, config: dict, meta: dict | None = None) -> Path:
+    """`model.safetensors` + `config.json` into `out`, atomically, with umask permissions; `meta` (the draft's
+    config.json) adds the target's fingerprint."""
     from safetensors.torch import save_file
 
     from drafthead.io import atomic_dir
 
+    fp = target_fingerprint(meta or {})
+    config = {**config, FINGERPRINT_KEY: fp} if fp else config
     with atomic_dir(out) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

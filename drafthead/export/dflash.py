@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file
 
 from drafthead.dflash import DflashConfig
-from drafthead.export.common import (ExportError, TargetInfo, cast_state, check_gguf_out, resolve_target,
-                                     write_hf_dir)
+from drafthead.export.common import (GGUF_FINGERPRINT_KEY, ExportError, TargetInfo, cast_state, check_gguf_out,
+                                     resolve_target, target_fingerprint, write_hf_dir)
 from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, write_atomic, write_tensors
 from drafthead.registry import LoadedDraft
 
@@ -96,7 +96,7 @@ def to_dflash(draft: LoadedDraft, out: str | os.PathLike, target: str | None = N
               outtype: str | None = None) -> Path:
     """The HF `DFlashDraftModel` directory (config.json + model.safetensors, our tensor names are z-lab's)."""
     check_target(draft.config, resolve_target(target, draft.meta))
-    return write_hf_dir(out, cast_state(draft.state, outtype), hf_config(draft.config))
+    return write_hf_dir(out, cast_state(draft.state, outtype), hf_config(draft.config), draft.meta)
 
 
 def config_from_hf(config: dict) -> DflashConfig:
@@ -172,7 +172,7 @@ def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | Non
     tinfo = resolve_target(target, draft.meta)
     check_target(draft.config, tinfo)
     state = cast_state(draft.state, outtype)
-    return write_hf_dir(out, state, speculators_config(draft.config, tinfo, dtype_name(state), verifier))
+    return write_hf_dir(out, state, speculators_config(draft.config, tinfo, dtype_name(state), verifier), draft.meta)
 
 
 def config_from_speculators(config: dict) -> DflashConfig:
@@ -201,6 +201,8 @@ def write_gguf(draft: LoadedDraft, target: TargetInfo, path: Path, outtype: str)
     add_model_keys(w, cfg, f"{Path(target.name_or_path).name} DFlash draft (drafthead)", cfg.num_hidden_layers,
                    outtype)
     w.add_uint32(f"{ARCH}.block_size", cfg.block_size)
+    if fp := target_fingerprint(draft.meta):
+        w.add_string(GGUF_FINGERPRINT_KEY, fp)
     w.add_key_value(f"{ARCH}.target_layers", [i + 1 for i in cfg.target_layer_ids], gguf.GGUFValueType.ARRAY,
                     sub_type=gguf.GGUFValueType.INT32)  # llama.cpp extracts layer INPUTS: ours + 1
     copy_tokenizer(target.gguf_path, w)

@@ -26,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafthead.export.common import (DraftSource, ExportError, check_gguf_out, TargetInfo, absolute_d2t, default_mode,
-                                     read_gguf_metadata)
+from drafthead.export.common import (GGUF_FINGERPRINT_KEY, DraftSource, ExportError, TargetInfo, absolute_d2t,
+                                     check_gguf_out, default_mode, read_gguf_metadata, target_fingerprint)
+from drafthead.io import writing
 
 ARCH = "eagle3"
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -166,6 +167,8 @@ def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = 
     w.add_key_value(f"{ARCH}.target_layers", layers, gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.INT32)
     w.add_uint32(f"{ARCH}.target_hidden_size", cfg.target_hidden_size)
     w.add_bool(f"{ARCH}.norm_before_residual", cfg.norm_before_residual)
+    if fp := target_fingerprint(src.meta):
+        w.add_string(GGUF_FINGERPRINT_KEY, fp)
     copy_tokenizer(target.gguf_path, w)
     write_tensors(w, gguf_tensors(src), outtype)
 
@@ -182,15 +185,17 @@ def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype
 def write_atomic(out: Path, write) -> Path:
     """`write(tmp_path)` a GGUF next to `out`, fsync it, give it umask permissions and rename it to `out`:
     a failed export leaves nothing at `out`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
-    os.close(fd)
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.tmp-", dir=out.parent)
+        os.close(fd)
     try:
-        write(Path(tmp))
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        default_mode(tmp)
-        os.replace(tmp, out)
+        with writing(out):
+            write(Path(tmp))
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            default_mode(tmp)
+            os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

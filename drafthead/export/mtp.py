@@ -47,7 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from drafthead.export.common import ExportError, check_gguf_out, default_mode, read_gguf_metadata
-from drafthead.io import atomic_dir
+from drafthead.io import atomic_dir, writing
 from drafthead.mtp import MtpConfig, MtpDrafter
 from drafthead.mtp_native import layout, native_prefixes, to_native, to_ours
 from drafthead.registry import LoadedDraft, save_draft
@@ -366,8 +366,9 @@ def _export_gguf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, 
     if tgt.folder is None:
         raise ExportError(f"to=gguf converts the target's HF checkpoint with the MTP layers added; target "
                           f"{tgt.name!r} is a GGUF file: pass target=HF_DIR")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.hf-", dir=out.parent) as work:
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    with writing(out), tempfile.TemporaryDirectory(prefix=f".{out.name}.hf-", dir=out.parent) as work:
         hf_dir = Path(work) / "hf"
         hf_dir.mkdir()
         write_hf(src, tgt, hf_dir, None, with_draft=False)

@@ -87,7 +87,7 @@ def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype
                           f"config carries norm_before_residual (vLLM serves it), or to=gguf for llama.cpp")
     state = cast_state(src.state, outtype)
     config = build_config(src.config, target, src.meta, dtype_name(state))
-    return write_hf_dir(out, state, config)
+    return write_hf_dir(out, state, config, src.meta)
 
 
 def to_internal(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -89,7 +89,7 @@ def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype
     config = build_config(src.config, target, src.meta, dtype_name(cast), num_draft_tokens=num_draft_tokens,
                           verifier=verifier)
     state = {rename_out(k): v for k, v in cast.items()}
-    return write_hf_dir(out, state, config)
+    return write_hf_dir(out, state, config, src.meta)
 
 
 EMBEDDING = "embed_tokens.weight"  # speculators' Eagle3 models: `self.embed_tokens = nn.Embedding(...)` at top level
