@@ -147,7 +147,11 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
                dynamic_ncols=True)
     tput = L.Throughput()
     heap_cap = L.HeapCap()
-    acc_c, acc_n, loss_sum, n_micro = torch.zeros(K), torch.zeros(K), 0.0, 0
+    acc_c, acc_n, loss_sum, n_micro = torch.zeros(K), torch.zeros(K), 0.0, 0  # the metrics row being summed
+    window = state.pop("log_window", None)  # a checkpoint between two rows holds the part summed so far
+    if window is not None and d.main:  # summed over ranks when saved: rank 0 carries it, the all-reduce adds 0s
+        acc_c, acc_n = torch.tensor(window["correct"]), torch.tensor(window["count"])
+        loss_sum, n_micro = window["loss_sum"], window["n_micro"]
     last_eval: dict = {}
     stop_after = cfg.train.stop_after_steps
     steps_this_process = 0
@@ -208,8 +212,11 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
                 signum = stop.stop_now(d)  # every rank agrees on the step it stops at
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                         stop_after and steps_this_process >= stop_after) or signum is not None:
-                    ckpt = L.save_checkpoint(run_dir, step, engine, state, d, cfg.train.keep_checkpoints,
-                                             target.fingerprint)
+                    w = L.all_reduce_sum(torch.cat([acc_c, acc_n, torch.tensor([loss_sum, n_micro])]).double(), d)
+                    window = {"correct": w[:K].tolist(), "count": w[K: 2 * K].tolist(), "loss_sum": float(w[-2]),
+                              "n_micro": int(w[-1])}
+                    ckpt = L.save_checkpoint(run_dir, step, engine, {**state, "log_window": window}, d,
+                                             cfg.train.keep_checkpoints, target.fingerprint)
                     heap_cap.trim()
                     clock.spent("save", time.perf_counter() - t_side)
                 if signum is not None:

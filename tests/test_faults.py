@@ -176,6 +176,20 @@ def signal_at_step(monkeypatch, step: int, sigs: tuple[int, ...]) -> None:
     monkeypatch.setattr(L, "forward_backward", fb)
 
 
+def test_metrics_row_summed_across_a_stop_equals_the_uninterrupted_one(tiny_llama_dir, tiny_sharegpt, tmp_path,
+                                                                        monkeypatch):
+    """A row averages the steps since the last one: a stop between two rows must not shorten that window."""
+    over = {"logging.log_every": 4, "train.save_every": 100}
+    train.main(args(tmp_path / "ref", tiny_llama_dir, tiny_sharegpt, **over))
+    signal_at_step(monkeypatch, 2, (signal.SIGTERM,))
+    with pytest.raises(Interrupted):
+        train.main(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **over))
+    monkeypatch.undo()
+    train.main(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **over))
+    assert [r["step"] for r in train_rows(tmp_path / "run")] == [4, 6, 6]
+    assert train_rows(tmp_path / "run") == train_rows(tmp_path / "ref")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_mid_step_saves_that_step_and_resumes_bit_identical(sig, full_run, tiny_llama_dir, tiny_sharegpt,
                                                                      tmp_path, monkeypatch):
@@ -184,6 +198,7 @@ def test_signal_mid_step_saves_that_step_and_resumes_bit_identical(sig, full_run
     signal_at_step(monkeypatch, step, (sig,))
     with pytest.raises(Interrupted) as e:
         train.main(args(run, tiny_llama_dir, tiny_sharegpt, **{"train.save_every": 100}))
+    assert all(r["step"] <= step for r in metrics(run))
     assert e.value.code == 128 + sig
     assert f"at step {step} of {STEPS}" in str(e.value) and f"checkpoints/step_{step}" in str(e.value)
     assert "resume with python train.py" in str(e.value)
