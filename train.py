@@ -212,7 +212,8 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
                 signum = stop.stop_now(d)  # every rank agrees on the step it stops at
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                         stop_after and steps_this_process >= stop_after) or signum is not None:
-                    w = L.all_reduce_sum(torch.cat([acc_c, acc_n, torch.tensor([loss_sum, n_micro])]).double(), d)
+                    sums = [acc_c.double(), acc_n.double(), torch.tensor([loss_sum, n_micro], dtype=torch.float64)]
+                    w = L.all_reduce_sum(torch.cat(sums), d)  # fp64: loss_sum is a Python float
                     window = {"correct": w[:K].tolist(), "count": w[K: 2 * K].tolist(), "loss_sum": float(w[-2]),
                               "n_micro": int(w[-1])}
                     ckpt = L.save_checkpoint(run_dir, step, engine, {**state, "log_window": window}, d,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from drafthead.export.common import ExportError, check_gguf_out, default_mode
+from drafthead.export.common import GGUF_FINGERPRINT_KEY, ExportError, check_gguf_out, default_mode, target_fingerprint
 from drafthead.registry import LoadedDraft
 
 PEFT_PREFIX = "base_model.model."
@@ -220,6 +220,8 @@ def export_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None =
         w = gguf.GGUFWriter(str(tmp), "llama")
         add_model_keys(w, cfg, f"{Path(info.name_or_path).name} LoRA self-draft, exit after layer "
                                f"{c.exit_layer + c.num_exit_layers - 1} (drafthead)", cfg.num_hidden_layers, outtype)
+        if fp := target_fingerprint(draft.meta):
+            w.add_string(GGUF_FINGERPRINT_KEY, fp)
         copy_tokenizer(info.gguf_path, w)
         write_tensors(w, gguf_tensors(model), outtype)
 
