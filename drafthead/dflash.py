@@ -52,7 +52,7 @@ class DflashOptions:
             raise ValueError(f"block_size: {self.block_size} (must be >= 2: the root and at least one mask slot)")
         if self.mask_token_id is None:
             raise ValueError("mask_token_id: required (a token id of the target's vocabulary that never occurs in "
-                             "the training data; see docs/families.md)")
+                             "the training data; see docs/dflash.md)")
         if self.num_anchors < 1:
             raise ValueError("num_anchors: must be >= 1")
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:

@@ -1,15 +1,12 @@
 """Verify-side ops used by the runtime: tree masks, acceptance, sampling, KV compaction.
 
-One import point so the runtime never cares whether the Triton kernels (`drafthead.kernels.verify`,
-which dispatch to their eager reference on CPU) or the plain PyTorch reference are in use; both have
-the same signatures and semantics (see `drafthead/kernels/reference.py`).
+One import point, so the runtime never cares which backend runs: `drafthead.kernels.verify` dispatches to
+the Triton kernels on CUDA and to their eager reference elsewhere (`drafthead/kernels/reference.py`), with
+the same signatures and semantics.
 """
 from __future__ import annotations
 
-try:
-    from drafthead.kernels import verify as _impl
-except ImportError:  # kernels not available: the eager reference has the same contract
-    from drafthead.kernels import reference as _impl
+from drafthead.kernels import verify as _impl  # imports triton only when a CUDA kernel is first called
 
 build_tree_mask = _impl.build_tree_mask
 greedy_verify_tree = _impl.greedy_verify_tree
