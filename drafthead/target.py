@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,8 @@ def local_target_fingerprint(name_or_path: str, gguf_file: str | None = None
         return None, f"target {name_or_path!r} is not on this machine"
     fp = recall(path, gguf)
     if fp is None:
+        print(f"target {name_or_path!r}: no fingerprint cached for its files; loading it once to compute one",
+              file=sys.stderr)
         try:
             fp = load_target(name_or_path, gguf_file, dtype="auto").fingerprint  # caches it
         except (OSError, ValueError, KeyError, RuntimeError) as e:  # e.g. a folder holding only a tokenizer GGUF
