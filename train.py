@@ -156,7 +156,7 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
     stop_after = cfg.train.stop_after_steps
     steps_this_process = 0
     done = step >= total_steps
-    with stop.deferred():  # a signal now waits for the end of the step in flight
+    with stop.deferred("finishing the step in flight, then saving a checkpoint"):
         while not done:
             batches = L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, state["epoch"], d.world, d.rank,
                                       cfg.train.batch_tokens)

@@ -263,6 +263,35 @@ def test_signal_during_capture_lands_the_shard_in_flight(tiny_llama_dir, tmp_pat
     assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in clean["shards"]]
 
 
+def test_signal_during_a_long_shard_drops_it_and_stops_promptly(tiny_llama_dir, tmp_path, monkeypatch):
+    """A shard that would outlast a scheduler's grace is dropped at the next target batch instead."""
+    from drafthead.target import load_target
+    from trainer import capture as C
+
+    target = load_target(str(tiny_llama_dir), dtype="float32")
+    samples = [{"id": f"s{i}", "input_ids": list(range(3, 3 + 5 + i % 7)), "loss_mask": [0, 0] + [1] * (3 + i % 7)}
+               for i in range(10)]
+    kw = dict(batch_tokens=8, progress=False)  # one conversation a target batch
+    clean = capture_offline(target, samples, tmp_path / "clean", [1, 2], torch.bfloat16, 3, **kw)
+    real, calls = C.features_for_batch, {"n": 0}
+
+    def batch(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:  # the first batch of the second shard
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(C, "features_for_batch", batch)
+    monkeypatch.setattr(C, "FINISH_SHARD_WITHIN_S", -1.0)  # any shard is too long to finish
+    with GracefulStop() as stop, pytest.raises(Interrupted, match=r"was dropped; 1 of 4 shards") as e:
+        capture_offline(target, samples, tmp_path / "cap", [1, 2], torch.bfloat16, 3, stop=stop, **kw)
+    assert e.value.code == 130 and calls["n"] == 4  # the batch in flight ended it: none of the shard's others ran
+    assert sorted(p.name for p in (tmp_path / "cap").iterdir()) == ["manifest.json", "shard_00000.safetensors"]
+    monkeypatch.undo()
+    resumed = capture_offline(target, samples, tmp_path / "cap", [1, 2], torch.bfloat16, 3, **kw)
+    assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in clean["shards"]]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_real_process_signalled_mid_training_resumes_bit_identical(sig, tiny_llama_dir, tiny_sharegpt, tmp_path):
     """`python train.py` as a scheduler sees it: SIGTERM gets a checkpoint at the step in flight and exit 143;

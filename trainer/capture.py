@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +33,10 @@ from drafthead.target import Target, capture, full_argmax, lm_head_weight
 from trainer.interrupt import GracefulStop, Interrupted, signal_name
 
 MANIFEST = "manifest.json"
+# On SIGINT/SIGTERM a shard in flight is finished only if it will end within this many seconds (estimated from
+# its progress), else dropped: schedulers allow a grace of ~30 s before SIGKILL, and a default shard of 256
+# conversations takes minutes on a small CPU.
+FINISH_SHARD_WITHIN_S = 20.0
 FORMAT = "drafthead-capture-2"  # 2: optional stored target argmax
 
 
@@ -139,10 +144,25 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
     n_tok_total = sum(len(s["input_ids"]) for s in samples)
     bar = tqdm(total=n_tok_total, unit="tok", desc="capture", disable=not progress, dynamic_ncols=True)
     bar.update(sum(sh["num_tokens"] for sh in manifest["shards"]))
+    n_shards = -(-len(samples) // shard_samples)
     for first in todo:
-        with stop.deferred() if stop is not None else contextlib.nullcontext():
+        t_shard = time.perf_counter()
+
+        def give_up(frac: float) -> bool:  # a signal came: finish the shard only if it ends within the grace
+            if stop is None or stop.requested is None:
+                return False
+            return (time.perf_counter() - t_shard) * (1 - frac) / max(frac, 1e-9) > FINISH_SHARD_WITHIN_S
+
+        grace = f"finishing the shard in flight if it ends within {FINISH_SHARD_WITHIN_S:.0f} s, else dropping it"
+        with stop.deferred(grace) if stop is not None else contextlib.nullcontext():
             chunk = samples[first: first + shard_samples]
-            tensors = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar, argmax)
+            tensors = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar, argmax, give_up)
+            if tensors is None:
+                bar.close()
+                raise Interrupted(stop.requested, f"capture stopped by {signal_name(stop.requested)}: the shard "
+                                  f"in flight would have taken more than {FINISH_SHARD_WITHIN_S:.0f} s to finish and "
+                                  f"was dropped; {len(manifest['shards'])} of {n_shards} shards in {out}; the same "
+                                  f"command resumes at the next shard")
             name = f"shard_{first // shard_samples:05d}.safetensors"
             tmp = out / f".{name}.tmp-w"
             with writing(out / name):
@@ -158,7 +178,7 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
         if stop is not None and stop.requested is not None:
             bar.close()
             raise Interrupted(stop.requested, f"capture stopped by {signal_name(stop.requested)} with "
-                              f"{len(manifest['shards'])} of {-(-len(samples) // shard_samples)} shards in {out}; "
+                              f"{len(manifest['shards'])} of {n_shards} shards in {out}; "
                               f"the same command resumes at the next shard")
         if after_shard is not None:
             after_shard()
@@ -177,11 +197,17 @@ def _ids_digest(samples: list[dict]) -> str:
 
 
 def _capture_chunk(target: Target, chunk: list[dict], layer_ids: list[int], dtype: torch.dtype,
-                   batch_tokens: int, pad_id: int, bar: tqdm, argmax: bool = False) -> dict[str, torch.Tensor]:
+                   batch_tokens: int, pad_id: int, bar: tqdm, argmax: bool = False,
+                   give_up: Callable[[float], bool] | None = None) -> dict[str, torch.Tensor] | None:
+    """One shard's tensors; None when `give_up(share of its tokens done)`, asked after each target batch, says
+    to drop it."""
     order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["input_ids"]))  # less padding
     per_sample: dict[int, tuple[torch.Tensor, ...]] = {}
+    total, done = sum(len(s["input_ids"]) for s in chunk), 0
     i = 0
     while i < len(order):
+        if done and give_up is not None and give_up(done / total):
+            return None
         j, longest = i, 0
         while j < len(order) and max(longest, len(chunk[order[j]]["input_ids"])) * (j - i + 1) <= max(
                 batch_tokens, len(chunk[order[i]]["input_ids"])):
@@ -194,6 +220,7 @@ def _capture_chunk(target: Target, chunk: list[dict], layer_ids: list[int], dtyp
             per_sample[k] = (batch["aux"][b, :n].cpu(), batch["last"][b, :n].cpu()) + (
                 (batch["argmax"][b, :n].to(torch.int32).cpu(),) if argmax else ())
             bar.update(n)
+            done += n
         i = j
     lens = [len(s["input_ids"]) for s in chunk]
     offsets = torch.zeros(len(chunk) + 1, dtype=torch.long)

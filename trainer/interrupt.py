@@ -43,6 +43,7 @@ class GracefulStop:
     def __init__(self, log=print) -> None:
         self.requested: int | None = None  # the first signal seen inside deferred()
         self._defer = 0
+        self._what = ""  # what the deferred block finishes before it stops, for the message
         self._saved: dict[int, object] = {}
         self.log = log
 
@@ -60,16 +61,17 @@ class GracefulStop:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._defer and self.requested is None:
             self.requested = signum
-            print(f"\n{signal_name(signum)}: finishing the step in flight, then saving a checkpoint "
-                  f"(send it again to stop now)", file=sys.stderr, flush=True)
+            print(f"\n{signal_name(signum)}: {self._what} (send it again to stop now)", file=sys.stderr, flush=True)
             return
         raise Interrupted(signum, f"stopped by {signal_name(signum)}"
                           + ("" if self.requested is None else " (a second time: not saved since the last checkpoint)"))
 
     @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """A signal inside the block waits for `stop_now()` at the loop's next step boundary."""
+    def deferred(self, what: str) -> Iterator[None]:
+        """A signal inside the block only sets `requested`, for the loop to read at its next step boundary;
+        `what` says what the loop finishes first (printed when the signal comes)."""
         self._defer += 1
+        self._what = what
         try:
             yield
         finally:
@@ -85,7 +87,3 @@ class GracefulStop:
             return None
         return self.requested or int(got[0] / got[1])  # a rank that saw none stops on the others' signal
 
-    def check(self) -> None:
-        """Raise Interrupted if a signal came during a deferred block that has now ended (capture shards)."""
-        if self.requested is not None:
-            raise Interrupted(self.requested, f"stopped by {signal_name(self.requested)}")
