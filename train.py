@@ -6,9 +6,9 @@
     torchrun --nproc_per_node 2 train.py train.deepspeed=zero2   # CPU: DS_ACCELERATOR=cpu is set for you
     torchrun --nnodes 2 --node_rank R --master_addr HOST --nproc_per_node 8 train.py recipe=NAME
 
-Reads top to bottom: config -> distributed -> frozen target -> time budget (measure, plan) -> data ->
-drafter and its vocab -> features (online or offline; the plan's passes re-fitted) -> engine (DDP /
-DeepSpeed) -> resume -> loop -> final draft.
+Reads top to bottom: config -> distributed -> the run folder's lock and the signal handlers -> frozen
+target -> time budget (measure, plan) -> data -> drafter and its vocab -> features (online or offline; the
+plan's passes re-fitted) -> engine (DDP / DeepSpeed) -> resume -> loop -> final draft.
 """
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ from trainer.config import RunConfig, as_dict, parse_or_exit, to_yaml
 from trainer.data import write_jsonl
 from trainer.dist import Dist, barrier, init_distributed
 from trainer.interrupt import GracefulStop, Interrupted, signal_name
-from trainer.runlock import run_lock_on_rank0
 from trainer.prepare import build_draft, feature_dtype, prepare_samples
+from trainer.runlock import run_lock_on_rank0
 
 
 def main(argv: list[str]) -> Path:
