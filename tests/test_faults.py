@@ -236,6 +236,27 @@ def test_signal_before_training_stops_at_once(tiny_llama_dir, tiny_sharegpt, tmp
         pass
 
 
+@pytest.mark.parametrize("seen", [(None, None), (signal.SIGTERM, None), (None, signal.SIGINT),
+                                  (signal.SIGINT, signal.SIGTERM)])
+def test_ranks_agree_to_stop_at_the_same_step(seen, monkeypatch):
+    """Schedulers signal the ranks at slightly different moments: every rank stops at the step where any rank
+    saw a signal (the all-reduce is simulated here as the sum over two ranks)."""
+    import trainer.interrupt as I
+    from trainer.dist import Dist
+
+    stops = [GracefulStop(), GracefulStop()]
+    for st, sig in zip(stops, seen):
+        st.requested = sig
+    total = sum(torch.tensor([float(st.requested == s) for s in I.SIGNALS]) for st in stops)
+    monkeypatch.setattr(I, "all_reduce_sum", lambda t, d: total.clone())
+    got = [st.stop_now(Dist(rank=r, world=2)) for r, st in enumerate(stops)]
+    if seen == (None, None):
+        assert got == [None, None]
+    else:
+        assert None not in got
+        assert all(g == s for g, s in zip(got, seen) if s is not None)  # a rank that saw one stops on its own
+
+
 def test_signal_during_capture_lands_the_shard_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
     from drafthead.target import load_target
     from trainer import capture as C

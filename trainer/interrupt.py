@@ -82,8 +82,8 @@ class GracefulStop:
         schedulers signal the ranks at slightly different moments)."""
         if d.world == 1:
             return self.requested
-        got = all_reduce_sum(torch.tensor([float(self.requested or 0), 1.0 if self.requested else 0.0]), d)
-        if float(got[1]) == 0:
-            return None
-        return self.requested or int(got[0] / got[1])  # a rank that saw none stops on the others' signal
+        seen = all_reduce_sum(torch.tensor([float(self.requested == s) for s in SIGNALS]), d)  # ranks per signal
+        if self.requested is not None or float(seen.sum()) == 0:
+            return self.requested
+        return SIGNALS[int(seen.argmax())]  # a rank that saw none stops on a signal the others saw
 
