@@ -40,12 +40,11 @@ def signal_name(signum: int) -> str:
 class GracefulStop:
     """Installed around a run with `with GracefulStop() as stop:`; previous handlers come back on exit."""
 
-    def __init__(self, log=print) -> None:
+    def __init__(self) -> None:
         self.requested: int | None = None  # the first signal seen inside deferred()
         self._defer = 0
         self._what = ""  # what the deferred block finishes before it stops, for the message
         self._saved: dict[int, object] = {}
-        self.log = log
 
     def __enter__(self) -> GracefulStop:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
