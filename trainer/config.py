@@ -237,6 +237,11 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"bad value for '{key}': {val} (must be {rule})")
     if cfg.train.deepspeed:
         deepspeed_config_path(cfg.train.deepspeed)  # a name or file that does not exist fails here
+        from drafthead.optional import hint, installed
+
+        if not installed("deepspeed"):  # an optional extra: say so now, not after the target has loaded
+            raise ConfigError(f"train.deepspeed={cfg.train.deepspeed} needs DeepSpeed, which is not installed here: "
+                              f"{hint('deepspeed')}, or train.deepspeed=null (plain / DDP)")
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"bad value for 'output_dir': {out} exists and is not a directory")

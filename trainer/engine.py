@@ -317,7 +317,9 @@ class DeepSpeedEngine:
     def __init__(self, model: nn.Module, cfg: RunConfig, total_steps: int, d: Dist) -> None:
         if d.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed
+        from drafthead.optional import require
+
+        deepspeed = require("deepspeed", f"train.deepspeed={cfg.train.deepspeed}")
 
         self.d = d
         self.cfg = cfg
@@ -505,14 +507,15 @@ class Logger:
             cut_metrics(self.path, start_step)
         if self.main and cfg.logging.wandb:
             try:
-                import wandb
+                from drafthead.optional import require
 
+                wandb = require("wandb", "logging.wandb=true")
                 if not os.environ.get("WANDB_API_KEY"):
                     os.environ.setdefault("WANDB_MODE", "offline")
                 self.wandb = wandb.init(project=cfg.logging.project, dir=str(run_dir), config=config_dict,
                                         name=Path(cfg.output_dir).name, resume="allow")
             except Exception as e:  # wandb is optional: say so, keep metrics.jsonl
-                print(f"wandb disabled: {e}")
+                print(f"wandb disabled (metrics go to {self.path} only): {e}")
 
     def log(self, row: dict) -> None:
         if not self.main:

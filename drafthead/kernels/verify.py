@@ -8,6 +8,8 @@ they must be non-negative with a positive sum. See `reference.py` for the tree c
 """
 from __future__ import annotations
 
+import functools
+import warnings
 from types import ModuleType
 from typing import Literal
 
@@ -24,8 +26,15 @@ def _triton_kernels() -> ModuleType:
     try:
         from drafthead.kernels import triton_kernels
     except ImportError as e:  # triton missing or broken
-        raise RuntimeError(f"backend='triton' needs a working triton install: {e}") from e
+        raise RuntimeError(f"backend='triton' needs a working triton install ({e}); "
+                           "pip install 'drafthead[triton]'") from e
     return triton_kernels
+
+
+@functools.cache
+def _say_no_triton(why: str) -> None:
+    # once a process: CUDA tensors verified by the PyTorch reference is a slow path, never a silent one
+    warnings.warn(f"verify kernels: {why}; CUDA tensors use the PyTorch reference (slower)", stacklevel=3)
 
 
 def _resolve(backend: str, device: torch.device) -> str:
@@ -37,7 +46,8 @@ def _resolve(backend: str, device: torch.device) -> str:
             return "torch"
         try:
             _triton_kernels()
-        except RuntimeError:
+        except RuntimeError as e:
+            _say_no_triton(str(e))
             return "torch"
         return "triton"
     if backend == "triton":
