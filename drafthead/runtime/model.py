@@ -1,4 +1,4 @@
-"""Lean decode-time forward of a HF Llama / Qwen2 / Qwen3 target over a static, ragged KV cache.
+"""Lean decode-time forward of a HF Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral target over a static, ragged KV cache.
 
 Why not HF `model(...)` with a `DynamicCache`: each call pays for mask/cache bookkeeping written for
 generality, and a tree verify needs a custom 4D mask plus index-select rollback of every layer.
@@ -11,6 +11,9 @@ the next kvh. One tensor means a tree rollback is one `kv_compact` call for all 
 """
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,7 +23,12 @@ from drafthead.kernels import cpu_linear
 from drafthead.layers import apply_rope, take_rows, write_kv
 from drafthead.target import base_model, check_layer_ids, decoder_layers
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# MoE layers run HF's own sparse block (router + experts) as they are; attention, norms and dense layers are ours
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+UNSUPPORTED_HINT = ("heads for it still train (capture hooks any HF decoder) and report held-out acceptance "
+                    "(eval/acc_*, eval/sim_accept_len in metrics.jsonl); measure tau and speedup in SGLang or vLLM "
+                    "after `drafthead export` (docs/runtime.md, supported architectures)")
 # oneDNN's bf16 matmul gives a row the same bits for any row count up to 32 on the AMX CPUs measured here
 # (every SmolLM2 weight shape; at 33 or more rows some shapes switch kernels and rows change), so bf16 CPU
 # prefills run their projections in chunks of at most this many rows.
@@ -46,13 +54,18 @@ class TargetModel:
         c = model.config
         if c.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"target model_type {c.model_type!r} is not supported by the runtime "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); {UNSUPPORTED_HINT}")
         if any(t != "full_attention" for t in (getattr(c, "layer_types", None) or [])) or \
-                getattr(c, "use_sliding_window", False):
-            raise ValueError("target uses sliding-window attention, which the runtime does not implement")
+                getattr(c, "use_sliding_window", False) or (
+                c.model_type == "mixtral" and (getattr(c, "sliding_window", None) or 1 << 62) < getattr(
+                    c, "max_position_embeddings", 1 << 62)):
+            raise ValueError("target uses sliding-window attention, which the runtime does not implement; "
+                             + UNSUPPORTED_HINT)
         self.model = model
         self.base = base_model(model)
         self.layers = decoder_layers(model)
+        # per layer: True where the MLP is a sparse MoE block (HF's, run as it is), False for a dense SwiGLU MLP
+        self.moe = [moe_block(layer.mlp, c.model_type, i) for i, layer in enumerate(self.layers)]
         check_layer_ids(list(aux_layer_ids), len(self.layers))
         self.aux_layer_ids = list(aux_layer_ids)
         self.capture_last = capture_last
@@ -71,7 +84,10 @@ class TargetModel:
         # (bf16: AVX512-BF16; fp32: AVX2/FMA), and so do prompts except on AMX CPUs (`prompt_kernel`), where they
         # go through oneDNN; both are row-invariant, each on its own side.
         dims = (c.hidden_size, c.intermediate_size, self.head_dim * c.num_attention_heads)
-        kind = cpu_linear.kind_for(self.dtype) if self.device.type == "cpu" else None
+        # the CPU decode kernels pack dense projections only: an MoE target runs oneDNN / HF's blocks, said once
+        kind = cpu_linear.kind_for(self.dtype) if self.device.type == "cpu" and not any(self.moe) else None
+        if any(self.moe) and self.device.type == "cpu":
+            _say_moe_slow_path(c.model_type)
         self.decode_kernel = bool(kind and (kind == "fp32" or all(d % 2 == 0 for d in dims))
                                   and cpu_linear.available(kind))
         self.kernel = kind if self.decode_kernel else None  # for reports: which kernel runs generated tokens
@@ -102,9 +118,10 @@ class TargetModel:
         """The projections in the groups the decode kernel runs as one call each: q/k/v and gate/up read the
         same input, so each group is one packed weight (fewer kernel calls a step); o, down and the head alone."""
         out = []
-        for layer in self.layers:
+        for layer, moe in zip(self.layers, self.moe):
             a, m = layer.self_attn, layer.mlp
-            out += [(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,), (m.gate_proj, m.up_proj), (m.down_proj,)]
+            out += [(a.q_proj, a.k_proj, a.v_proj), (a.o_proj,)]
+            out += [] if moe else [(m.gate_proj, m.up_proj), (m.down_proj,)]
         return out + [(self.model.lm_head,)]
 
     def _compress(self, weights: str) -> None:
@@ -149,7 +166,9 @@ class TargetModel:
     def streamed_bytes(self) -> int:
         """Bytes of projection weights one generated token streams (what bounds a decode step)."""
         if not self.decode_kernel:
-            return sum(p.weight.numel() * p.weight.element_size() for p in dict.fromkeys(self.projections()))
+            dense = sum(p.weight.numel() * p.weight.element_size() for p in dict.fromkeys(self.projections()))
+            return dense + sum(moe_active_bytes(layer.mlp, self.model.config)
+                               for layer, moe in zip(self.layers, self.moe) if moe)
         total = 0
         for group in dict.fromkeys(self.decode_groups()):
             joined = self.packed(*group)
@@ -258,6 +277,8 @@ class TargetModel:
             o = attend(q, ck[:, :, :S], cv[:, :, :S], mask, attn.scaling, per_query)  # [B, h, T, D]
         h = h + self.linear(attn.o_proj, o.transpose(1, 2).reshape(B, T, -1), prefill)
         mlp, x = layer.mlp, rms_norm(layer.post_attention_layernorm, h, ops)
+        if self.moe[i]:  # router + top-k experts: HF's block, each token routed on its own
+            return h + mlp(x)
         if ops and self.silu:
             joined = self.packed(mlp.gate_proj, mlp.up_proj)
             gate_up = joined(x) if joined is not None else torch.cat(self.project((mlp.gate_proj, mlp.up_proj), x), -1)
@@ -298,6 +319,34 @@ class TargetModel:
         flat = x.reshape(rows, x.shape[-1])
         out = torch.cat([proj(flat[i: i + INVARIANT_ROWS]) for i in range(0, rows, INVARIANT_ROWS)])
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def moe_block(mlp: nn.Module, model_type: str, i: int) -> bool:
+    """Whether layer i's MLP is a sparse MoE block; a layer of an MoE model type that is neither a dense SwiGLU
+    MLP nor a router + experts block is a named error (the runtime would not know how to run it)."""
+    if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        return False
+    if model_type in MOE_MODEL_TYPES and isinstance(getattr(mlp, "gate", None), nn.Module) and isinstance(
+            getattr(mlp, "experts", None), nn.Module):
+        return True
+    kids = ", ".join(n for n, _ in mlp.named_children()) or "none"
+    raise ValueError(f"target layer {i}: {type(mlp).__name__} is neither a dense gate/up/down MLP nor an MoE block "
+                     f"with `gate` (router) and `experts` (children: {kids}); {UNSUPPORTED_HINT}")
+
+
+def moe_active_bytes(mlp: nn.Module, config) -> int:
+    """Bytes one token reads in an MoE block: the router, and top-k of the experts' weights."""
+    E = getattr(config, "num_experts", None) or getattr(config, "num_local_experts")
+    k = config.num_experts_per_tok
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    return size(mlp.gate) + size(mlp.experts) * k // E
+
+
+@functools.cache
+def _say_moe_slow_path(model_type: str) -> None:
+    warnings.warn(f"runtime: {model_type} target on CPU: the decode kernels cover dense layers only, so every "
+                  "projection runs through oneDNN and MoE layers through HF's block (slower; bf16 rows not "
+                  "guaranteed invariant to the block size: use fp32 for bit-exact verification)", stacklevel=3)
 
 
 QUERY_BLOCK = 16  # queries per CPU SDPA call for generated bf16 tokens (see attend)
