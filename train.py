@@ -28,7 +28,7 @@ from drafthead.io import atomic_write_bytes
 from drafthead.registry import family, save_draft
 from drafthead.target import load_target
 from trainer import engine as L
-from trainer.budget import StepClock, budget_record, plan_run, refit_after_capture
+from trainer.budget import StepClock, budget_record, dry_run, memory_line, plan_run, refit_after_capture
 from trainer.capture import ShardedFeatures, capture_offline
 from trainer.config import RunConfig, as_dict, parse_or_exit, to_yaml
 from trainer.data import write_jsonl
@@ -41,8 +41,11 @@ from trainer.runlock import run_lock_on_rank0
 def main(argv: list[str]) -> Path:
     # --- config, distributed, the run folder's lock, signals --------------------------------------
     cfg = parse_or_exit(argv)  # every option checked here, before anything loads
+    if cfg.train.dry_run:  # memory per rank from the configs alone: no weights, no ranks
+        dry_run(cfg)
+        return Path(cfg.output_dir)
     L.retain_freed_memory()  # big per-step tensors reuse the heap instead of fresh page faults
-    d = init_distributed()
+    d = init_distributed(cfg.target.tensor_parallel)
     log = print if d.main else (lambda *a, **k: None)
     run_dir = Path(cfg.output_dir)
     folders = [run_dir] + ([Path(cfg.capture.dir)] if cfg.capture.mode == "offline" and cfg.capture.dir else [])
@@ -59,9 +62,12 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
     phases: dict[str, float] = {}  # wall seconds per phase, planned vs actual in the final record
 
     # --- frozen target (loaded once per process) -------------------------------------------------
-    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype, d.device)
+    target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype, d.device, d.tp_mesh)
     log(f"target: {cfg.target.name_or_path} ({target.num_layers} layers, hidden {target.hidden_size}, "
-        f"vocab {target.config.vocab_size}) on {d.device}, world size {d.world}")
+        f"vocab {target.config.vocab_size}) on {d.device}, world size {d.world}"
+        + (f" ({d.dp} data-parallel x {d.tp} tensor-parallel)" if d.tp > 1 else ""))
+    if d.tp > 1:
+        target.fingerprint  # gathers the split weights: every rank together, now, not in a later rank-0 branch
 
     # --- time budget: measure this machine, then fill data.max_samples / train.epochs where null ----
     plan = plan_run(cfg, target, d, run_dir, t_start, log)
@@ -84,6 +90,7 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
     K = drafter.config.num_draft_tokens  # draft depths each training forward reports
     log(f"drafter: {fam.name}, {n_params / 1e6:.1f}M trainable params, "
         f"{fam.describe(getattr(cfg.drafter, fam.name), drafter.config)}, init {ds.init}")
+    log(memory_line(target, drafter, d))
 
     phases["prepare"] = time.perf_counter() - t_start - sum(phases.values())
 
@@ -92,10 +99,10 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
     store_argmax = fam.reduced_vocab  # the teacher head then computes only the draft-vocab rows
     if offline:
         cap_dir = Path(cfg.capture.dir or run_dir / "capture")
-        if d.main:
+        if d.dp_rank == 0:  # the first tp group runs the (split) target; its rank 0 writes the shards
             capture_offline(target, prep.train, cap_dir, layer_ids, feat_dtype, cfg.capture.shard_samples,
-                            cfg.capture.batch_tokens, progress=cfg.logging.progress, argmax=store_argmax,
-                            after_shard=L.trim_freed_memory, stop=stop)
+                            cfg.capture.batch_tokens, progress=cfg.logging.progress and d.main, argmax=store_argmax,
+                            after_shard=L.trim_freed_memory, stop=stop, d=d)
         barrier(d)
         L.trim_freed_memory()  # the capture's shard buffers are not needed again
         feats = ShardedFeatures(cap_dir)
@@ -104,7 +111,7 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
         items, lengths = prep.train, [len(s["input_ids"]) for s in prep.train]
     eval_items = prep.heldout[: cfg.train.eval_samples or len(prep.heldout)]
     # the same number on every rank: evaluate() all-reduces (and ZeRO-3 gathers weights in each forward)
-    eval_items = eval_items[: len(eval_items) // d.world * d.world][d.rank:: d.world]
+    eval_items = eval_items[: len(eval_items) // d.dp * d.dp][d.dp_rank:: d.dp]
     eval_batches = [L.make_batch(eval_items[i: i + cfg.train.batch_size], target, layer_ids, feat_dtype, False,
                                  d.device, store_argmax) for i in range(0, len(eval_items), cfg.train.batch_size)]
 
@@ -112,7 +119,7 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
     plan = refit_after_capture(plan, cfg, d, run_dir, time.perf_counter() - t_start, len(lengths), sum(lengths), log)
 
     # --- engine: plain / DDP / DeepSpeed ---------------------------------------------------------
-    per_epoch = len(L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, 0, d.world, d.rank,
+    per_epoch = len(L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, 0, d.dp, d.dp_rank,
                                     cfg.train.batch_tokens))
     epochs = cfg.train.epochs or 1.0
     total_steps = cfg.train.max_steps or max(1, math.ceil(epochs * per_epoch / cfg.train.grad_accum))
@@ -158,7 +165,7 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
     done = step >= total_steps
     with stop.deferred("finishing the step in flight, then saving a checkpoint"):
         while not done:
-            batches = L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, state["epoch"], d.world, d.rank,
+            batches = L.epoch_batches(lengths, cfg.train.batch_size, cfg.seed, state["epoch"], d.dp, d.dp_rank,
                                       cfg.train.batch_tokens)
             for bi in range(state["batch_in_epoch"], len(batches)):
                 batch = L.make_batch([items[i] for i in batches[bi]], target, layer_ids, feat_dtype, offline,
@@ -180,12 +187,12 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
                 bar.update(1)
                 heap_cap()
                 if step % cfg.logging.log_every == 0 or step == total_steps:
-                    c, n = L.all_reduce_sum(acc_c, d), L.all_reduce_sum(acc_n, d)
+                    c, n = L.all_reduce_data(acc_c, d), L.all_reduce_data(acc_n, d)
                     acc = (c / n.clamp(min=1)).tolist()
-                    ls = L.all_reduce_sum(torch.tensor([loss_sum, float(n_micro)], dtype=torch.float64), d)
+                    ls = L.all_reduce_data(torch.tensor([loss_sum, float(n_micro)], dtype=torch.float64), d)
                     row = {"step": step, "epoch": state["epoch"] + (bi + 1) / len(batches),
                            "loss": float(ls[0] / ls[1]), "lr": lr, **{f"acc_{i}": a for i, a in enumerate(acc)},
-                           "tokens_per_s": tput.rate() * d.world, "tokens_seen": state["tokens_seen"] * d.world,
+                           "tokens_per_s": tput.rate() * d.dp, "tokens_seen": state["tokens_seen"] * d.dp,
                            "wall_s": round(time.perf_counter() - t_start, 1)}  # since this process started
                     logger.log(row)
                     bar.set_postfix(loss=f"{row['loss']:.3f}", acc0=f"{acc[0]:.3f}",
@@ -213,7 +220,7 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
                 if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps or (
                         stop_after and steps_this_process >= stop_after) or signum is not None:
                     sums = [acc_c.double(), acc_n.double(), torch.tensor([loss_sum, n_micro], dtype=torch.float64)]
-                    w = L.all_reduce_sum(torch.cat(sums), d)  # fp64: loss_sum is a Python float
+                    w = L.all_reduce_data(torch.cat(sums), d)  # fp64: loss_sum is a Python float
                     window = {"correct": w[:K].tolist(), "count": w[K: 2 * K].tolist(), "loss_sum": float(w[-2]),
                               "n_micro": int(w[-1])}
                     ckpt = L.save_checkpoint(run_dir, step, engine, {**state, "log_window": window}, d,
@@ -245,7 +252,7 @@ def train(cfg: RunConfig, argv: list[str], d: Dist, run_dir: Path, stop: Gracefu
         with engine.full_params():  # ZeRO-3: gather the shards (a collective: every rank enters)
             if d.main:
                 save_draft(engine.module, final, target.info(),
-                           extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.world,
+                           extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.dp,
                                             "recipe": cfg.recipe, "wall_s": round(time.perf_counter() - t_start, 1),
                                             **last_eval},
                                   "budget": budget_rec})

@@ -461,10 +461,11 @@ def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_
 def init(drafter: DflashDrafter, target: Any, options: DflashOptions) -> str:
     """The target's embedding and head (frozen) always; with `init: target` also its last decoder layers
     (projections, MLP, norms; q/k norms start at one) and final norm."""
-    from drafthead.target import decoder_layers, final_norm_weight, lm_head_weight
+    from drafthead.split import whole_state
+    from drafthead.target import decoder_layers, final_norm_weight, input_embedding_weight, lm_head_weight
 
     with torch.no_grad():
-        drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+        drafter.embed_tokens.weight.copy_(input_embedding_weight(target.model))
         drafter.target_lm_head.weight.copy_(lm_head_weight(target.model))
         # the head is the target's: its final norm is the scale that head expects (SmolLM2's tied head gives
         # logits in the hundreds, a first loss of ~70, behind a unit norm)
@@ -473,7 +474,7 @@ def init(drafter: DflashDrafter, target: Any, options: DflashOptions) -> str:
             return "random layers, the target's final norm"
         src = list(decoder_layers(target.model))[-len(drafter.layers):]
         for mine, theirs in zip(drafter.layers, src):
-            theirs_sd = theirs.state_dict()
+            theirs_sd = whole_state(theirs)
             for name, p in mine.state_dict().items():
                 if name in theirs_sd and theirs_sd[name].shape == p.shape:
                     p.copy_(theirs_sd[name])

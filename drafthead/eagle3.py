@@ -344,10 +344,10 @@ def build(tcfg: Any, options: Eagle3Options, layer_ids: list[int] | None, draft_
 
 def init(drafter: Eagle3Drafter, target: Any, options: Eagle3Options) -> str:
     """The target's embedding and, with `init_head_from_target`, its head rows and final norm (d2t is set)."""
-    from drafthead.target import final_norm_weight, lm_head_weight
+    from drafthead.target import final_norm_weight, input_embedding_weight, lm_head_weight
 
     head = options.init_head_from_target
-    drafter.init_from_target(target.model.get_input_embeddings().weight,
+    drafter.init_from_target(input_embedding_weight(target.model),
                              lm_head_weight(target.model) if head else None,
                              final_norm_weight(target.model) if head else None)
     return "head from target" if head else "random"

@@ -39,8 +39,10 @@ def compute(model: torch.nn.Module, tokenizer: Any) -> dict[str, str]:
     cfg = model.config
     geometry = {k: getattr(cfg, k, None) for k in CONFIG_FIELDS}
     w = hashlib.sha256()
-    for name, p in sorted(model.named_parameters()):
-        x = p.detach()
+    from drafthead.split import whole
+
+    for name, p in sorted(model.named_parameters()):  # a split target: every rank gathers, one weight at a time
+        x = whole(p.detach())
         rows = x.reshape(-1) if x.ndim < 2 else x[[0, x.shape[0] // 2, x.shape[0] - 1]]
         w.update(f"{name}{tuple(x.shape)}".encode())
         w.update(rows.to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())

@@ -464,16 +464,16 @@ def _last_attention_layer(layers: nn.ModuleList) -> nn.Module:
 def init_from_target(drafter: MtpDrafter, target_model: nn.Module, block: bool = True) -> None:
     """Embedding, shared head (final norm + lm_head) and, with `block`, every module's decoder layer
     from the target (its last attention layer). enorm/hnorm/eh_proj keep their fresh init."""
-    from drafthead.target import base_model, decoder_layers, lm_head_weight
+    from drafthead.split import whole_state
+    from drafthead.target import decoder_layers, final_norm_weight, input_embedding_weight, lm_head_weight
 
-    base = base_model(target_model)
-    _copy(drafter.embed_tokens.weight, target_model.get_input_embeddings().weight, "embed_tokens.weight")
-    src = _last_attention_layer(decoder_layers(target_model)).state_dict() if block else {}
+    _copy(drafter.embed_tokens.weight, input_embedding_weight(target_model), "embed_tokens.weight")
+    src = whole_state(_last_attention_layer(decoder_layers(target_model))) if block else {}
     if block and any(".experts." in k or k.startswith("mlp.experts") for k in src):
         raise ValueError("MTP init from the target: its last layer has a MoE MLP; the MTP block is dense "
                          "(use drafter.init=native or random)")
     for i, m in enumerate(drafter.layers):
-        _copy(m.shared_head.norm.weight, base.norm.weight, "norm.weight")
+        _copy(m.shared_head.norm.weight, final_norm_weight(target_model), "norm.weight")
         _copy(m.shared_head.head.weight, lm_head_weight(target_model), "lm_head.weight")
         if not block:
             continue

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from drafthead.assets import asset_path
+from drafthead.split import whole
 
 BUILTIN_TARGETS = {"smollm2-135m-instruct"}
 
@@ -75,9 +76,11 @@ def resolve_target(name_or_path: str, gguf_file: str | None = None) -> tuple[str
 
 
 def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "auto",
-                device: str | torch.device = "cpu") -> Target:
+                device: str | torch.device = "cpu", tp_mesh: Any = None) -> Target:
     """Load a frozen target once. dtype 'auto' = bf16 where bf16 is native (CUDA, AMX / AVX512-BF16 CPUs),
-    fp32 elsewhere (`drafthead.hardware.resolve_dtype`)."""
+    fp32 elsewhere (`drafthead.hardware.resolve_dtype`). `tp_mesh`: a 1-D DeviceMesh the target is split over
+    with transformers' tensor-parallel plan (every rank of the mesh calls this together); its weights are then
+    DTensors, its hidden states and logits whole on every rank."""
     from transformers import AutoModelForCausalLM
 
     from drafthead.hardware import resolve_dtype_name
@@ -92,8 +95,27 @@ def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "a
 
         kw["quantization_config"] = GgufConfig(gguf_file=gguf, dequantize=True)
     tok = load_tokenizer(path, gguf)
+    if tp_mesh is not None:
+        check_split(path, tp_mesh.size())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), tp_plan="auto",
+                                                     device_mesh=tp_mesh)
+        return freeze(Target(model, tok, name_or_path, gguf))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw)
     return freeze(Target(model.to(device), tok, name_or_path, gguf))
+
+
+def check_split(path: str, tp: int) -> None:
+    """A target splits over `tp` ranks when every head count divides (q/k/v are split by heads)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    c = getattr(c, "text_config", c)
+    heads = {"attention heads": c.num_attention_heads,
+             "key/value heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads}
+    bad = [f"{n} {name}" for name, n in heads.items() if n % tp]
+    if bad:
+        raise ValueError(f"target.tensor_parallel={tp} does not divide the target's {' and '.join(bad)}: "
+                         f"use a tensor_parallel that divides both")
 
 
 def local_target_fingerprint(name_or_path: str, gguf_file: str | None = None
@@ -164,11 +186,22 @@ def base_model(model: nn.Module) -> nn.Module:
 
 
 def lm_head_weight(model: nn.Module) -> torch.Tensor:
-    return model.get_output_embeddings().weight  # [V, H]
+    """[V, H]. A split head is gathered once and kept (teacher logits and the argmax read it every batch)."""
+    head = model.get_output_embeddings()
+    kept = head.__dict__.get("_drafthead_whole")
+    if kept is None:
+        kept = whole(head.weight)
+        if kept is not head.weight:
+            head.__dict__["_drafthead_whole"] = kept
+    return kept
+
+
+def input_embedding_weight(model: nn.Module) -> torch.Tensor:
+    return whole(model.get_input_embeddings().weight)  # [V, H]
 
 
 def final_norm_weight(model: nn.Module) -> torch.Tensor:
-    return base_model(model).norm.weight  # [H]
+    return whole(base_model(model).norm.weight)  # [H]
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> None:

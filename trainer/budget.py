@@ -455,3 +455,62 @@ def budget_record(plan: Plan | None, phases: dict[str, float], steps: int, token
         out["plan"] = plan.to_dict()
         out["actual_over_budget"] = round(phases.get("total", 0.0) / plan.budget_s, 3)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# memory per rank (printed at start; `train.dry_run=true` prints it from the configs alone, no weights)
+GIB = 2 ** 30
+OPTIMIZER_BYTES = 16  # a trainable parameter: fp32 weight + fp32 grad + AdamW's two fp32 moments
+
+
+def memory_per_rank(target_params: int, target_dtype_bytes: int, tp: int, draft_trainable: int,
+                    draft_frozen_bytes: int) -> dict[str, float]:
+    """GiB a rank holds before activations: its 1/tp of the target (every weight is split by the tp plan),
+    the draft replicated with fp32 grads and AdamW states, and the draft's frozen copies of target rows."""
+    target = target_params * target_dtype_bytes / tp / GIB
+    draft = (draft_trainable * OPTIMIZER_BYTES + draft_frozen_bytes) / GIB
+    return {"target_gib": round(target, 2), "target_whole_gib": round(target * tp, 2),
+            "draft_gib": round(draft, 2), "total_gib": round(target + draft, 2)}
+
+
+def memory_line(target: Any, drafter: torch.nn.Module, d: Any) -> str:
+    """One line for the log: what this rank holds before activations."""
+    tparams = sum(p.numel() for p in target.model.parameters())
+    tbytes = next(target.model.parameters()).element_size()
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    frozen = sum(p.numel() * p.element_size() for p in drafter.parameters() if not p.requires_grad)
+    m = memory_per_rank(tparams, tbytes, d.tp, trainable, frozen)
+    split = f"1/{d.tp} of {m['target_whole_gib']:.1f}" if d.tp > 1 else "whole"
+    return (f"memory per rank before activations: {m['total_gib']:.1f} GiB = target {m['target_gib']:.1f} GiB "
+            f"({split}) + draft {m['draft_gib']:.1f} GiB ({trainable / 1e6:.0f}M trainable with fp32 grads and "
+            f"AdamW states)")
+
+
+def dry_run(cfg: Any, log: Callable = print) -> dict[str, float]:
+    """The memory per rank of a recipe from the target's config alone: target and drafter are built on the
+    meta device, so a 70B target needs no weights and no GPU (`python train.py recipe=NAME train.dry_run=true`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from drafthead.hardware import resolve_dtype_name
+    from drafthead.registry import family
+    from drafthead.target import resolve_target
+
+    path, _ = resolve_target(cfg.target.name_or_path, cfg.target.gguf_file)
+    tcfg = AutoConfig.from_pretrained(path)
+    dtype = getattr(torch, resolve_dtype_name(cfg.target.dtype, torch.device("cuda"), quiet=True))
+    fam = family(cfg.drafter.family)
+    options = getattr(cfg.drafter, fam.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
+        vocab = getattr(options, "draft_vocab_size", None) if fam.reduced_vocab else None
+        drafter = fam.model(fam.build(tcfg, options, cfg.capture.layer_ids, vocab and min(vocab, tcfg.vocab_size)))
+    tparams = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)  # the families freeze their copies
+    frozen = sum(p.numel() * dtype.itemsize for p in drafter.parameters() if not p.requires_grad)
+    tp = cfg.target.tensor_parallel
+    m = memory_per_rank(tparams, dtype.itemsize, tp, trainable, frozen)
+    log(f"dry run: {cfg.target.name_or_path}, {tparams / 1e9:.1f}B params in {str(dtype).removeprefix('torch.')}, "
+        f"drafter {fam.name} {trainable / 1e6:.0f}M trainable; tensor_parallel={tp}: memory per rank before "
+        f"activations {m['total_gib']:.1f} GiB = target {m['target_gib']:.1f} GiB "
+        f"(1/{tp} of {m['target_whole_gib']:.1f}) + draft {m['draft_gib']:.1f} GiB")
+    return {**m, "target_params": tparams, "draft_trainable": trainable, "tensor_parallel": tp}

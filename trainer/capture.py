@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +31,7 @@ from tqdm import tqdm
 
 from drafthead.io import atomic_write_json, clean_stale_tmp, writing
 from drafthead.target import Target, capture, full_argmax, lm_head_weight
+from trainer.dist import Dist, tp_broadcast
 from trainer.interrupt import GracefulStop, Interrupted, signal_name
 
 MANIFEST = "manifest.json"
@@ -114,15 +116,36 @@ def verify_shards(folder: str | Path, manifest: dict, checksum: bool = True) -> 
 def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, layer_ids: list[int],
                     dtype: torch.dtype = torch.bfloat16, shard_samples: int = 256, batch_tokens: int = 4096,
                     progress: bool = True, argmax: bool = False,
-                    after_shard: Callable[[], Any] | None = None, stop: GracefulStop | None = None) -> dict:
+                    after_shard: Callable[[], Any] | None = None, stop: GracefulStop | None = None,
+                    d: Dist | None = None) -> dict:
     """Capture features for `samples` into `out_dir`, resuming where a previous run stopped. `argmax`:
     also store the target's full-vocabulary argmax (see the module docstring). `after_shard` runs once each
     shard is on disk (train.py hands the freed heap back there: batches of varying shapes fragment it).
-    `stop`: a SIGINT/SIGTERM lets the shard in flight finish and land, then raises `Interrupted`."""
+    `stop`: a SIGINT/SIGTERM lets the shard in flight finish and land, then raises `Interrupted`.
+    `d` with a split target (tensor parallel): every rank of the tp group calls this and runs the same target
+    batches; the group's first rank decides (shards to do, a signal's outcome) and alone writes."""
+    tp = d is not None and d.tp > 1
+    if tp and d.tp_rank != 0:
+        return _follow_capture(target, samples, layer_ids, dtype, shard_samples, batch_tokens, argmax, stop, d)
     out = Path(out_dir)
-    with writing(out):
-        out.mkdir(parents=True, exist_ok=True)
-    clean_stale_tmp(out)
+    try:
+        with writing(out):
+            out.mkdir(parents=True, exist_ok=True)
+        clean_stale_tmp(out)
+        manifest, todo = _plan_capture(target, samples, out, layer_ids, dtype, shard_samples, argmax)
+    except (CaptureError, OSError) as e:
+        if tp:
+            tp_broadcast(("error", f"{type(e).__name__}: {e}"), d)
+        raise
+    if tp:
+        tp_broadcast(("todo", todo), d)
+    return _lead_capture(target, samples, out, manifest, todo, layer_ids, dtype, shard_samples, batch_tokens,
+                         progress, argmax, after_shard, stop, d if tp else None)
+
+
+def _plan_capture(target: Target, samples: list[dict], out: Path, layer_ids: list[int], dtype: torch.dtype,
+                  shard_samples: int, argmax: bool) -> tuple[dict, list[int]]:
+    """The manifest (checked against this run when one exists) and the first sample of each shard to do."""
     spec = {"format": FORMAT, "target": target.info(), "layer_ids": list(layer_ids), "dtype": str(dtype).split(".")[-1],
             "hidden_size": target.hidden_size, "num_samples": len(samples), "shard_samples": shard_samples,
             "sample_ids": _ids_digest(samples), "argmax": bool(argmax)}
@@ -139,8 +162,16 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
     else:
         manifest = {**spec, "shards": [], "complete": False}
     done = {sh["first_sample"] for sh in manifest["shards"]}
+    return manifest, [s for s in range(0, len(samples), shard_samples) if s not in done]
+
+
+def _lead_capture(target: Target, samples: list[dict], out: Path, manifest: dict, todo: list[int],
+                  layer_ids: list[int], dtype: torch.dtype, shard_samples: int, batch_tokens: int, progress: bool,
+                  argmax: bool, after_shard: Callable[[], Any] | None, stop: GracefulStop | None,
+                  d: Dist | None) -> dict:
+    """Capture and write the shards in `todo` (with `d`: tell the tp group each decision it must share)."""
+    share = (lambda x: tp_broadcast(x, d)) if d is not None else (lambda x: x)
     pad_id = target.tokenizer.pad_token_id if target.tokenizer is not None else 0
-    todo = [s for s in range(0, len(samples), shard_samples) if s not in done]
     n_tok_total = sum(len(s["input_ids"]) for s in samples)
     bar = tqdm(total=n_tok_total, unit="tok", desc="capture", disable=not progress, dynamic_ncols=True)
     bar.update(sum(sh["num_tokens"] for sh in manifest["shards"]))
@@ -150,8 +181,8 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
 
         def give_up(frac: float) -> bool:  # a signal came: finish the shard only if it ends within the grace
             if stop is None or stop.requested is None:
-                return False
-            return (time.perf_counter() - t_shard) * (1 - frac) / max(frac, 1e-9) > FINISH_SHARD_WITHIN_S
+                return share(False)
+            return share((time.perf_counter() - t_shard) * (1 - frac) / max(frac, 1e-9) > FINISH_SHARD_WITHIN_S)
 
         grace = f"finishing the shard in flight if it ends within {FINISH_SHARD_WITHIN_S:.0f} s, else dropping it"
         with stop.deferred(grace) if stop is not None else contextlib.nullcontext():
@@ -175,7 +206,7 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
             manifest["shards"].sort(key=lambda s: s["first_sample"])
             atomic_write_json(out / MANIFEST, manifest)
             del tensors
-        if stop is not None and stop.requested is not None:
+        if share(stop is not None and stop.requested is not None):
             bar.close()
             raise Interrupted(stop.requested, f"capture stopped by {signal_name(stop.requested)} with "
                               f"{len(manifest['shards'])} of {n_shards} shards in {out}; "
@@ -187,6 +218,27 @@ def capture_offline(target: Target, samples: list[dict], out_dir: str | Path, la
     manifest["num_tokens"] = sum(sh["num_tokens"] for sh in manifest["shards"])
     atomic_write_json(out / MANIFEST, manifest)
     return manifest
+
+
+def _follow_capture(target: Target, samples: list[dict], layer_ids: list[int], dtype: torch.dtype,
+                    shard_samples: int, batch_tokens: int, argmax: bool, stop: GracefulStop | None, d: Dist) -> dict:
+    """A tp group's other ranks: the same target batches as the first rank (a split forward is a collective),
+    its decisions received, nothing written."""
+    kind, todo = tp_broadcast(None, d)
+    if kind == "error":
+        raise CaptureError(f"the capture's first rank stopped: {todo}")
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer is not None else 0
+    bar = tqdm(disable=True)
+    for first in todo:
+        chunk = samples[first: first + shard_samples]
+        with stop.deferred("following the capture's first rank") if stop is not None else contextlib.nullcontext():
+            got = _capture_chunk(target, chunk, layer_ids, dtype, batch_tokens, pad_id, bar, argmax,
+                                 lambda frac: tp_broadcast(None, d))
+        if got is None or tp_broadcast(None, d):
+            raise Interrupted(stop.requested if stop is not None and stop.requested else signal.SIGTERM,
+                              "capture stopped on the first rank's signal")
+        del got
+    return {"shards": [], "complete": True, "follower": True}
 
 
 def _ids_digest(samples: list[dict]) -> str:

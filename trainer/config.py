@@ -29,6 +29,8 @@ class TargetConfig:
     dtype: str = "auto"  # auto = bf16 where native (CUDA, AMX / AVX512-BF16 CPUs), fp32 elsewhere
     allow_mismatch: bool = False  # resume a checkpoint written against a target with another fingerprint
     # (the same model in another format, say); the mismatch is still printed
+    tensor_parallel: int = 1  # ranks one target is split over (transformers' tp_plan); the draft trains
+    # data-parallel across the world / tensor_parallel groups (docs/training.md, scaling out)
 
 
 @dataclass
@@ -101,6 +103,7 @@ class TrainConfig:
     resume: str = "auto"  # auto | true | false
     stop_after_steps: int | None = None  # leave after N optimizer steps in this process (preemptible queues)
     num_threads: int | None = None  # torch CPU threads per rank (null = torch default)
+    dry_run: bool = False  # print the memory per rank from the target's config and exit (no weights loaded)
 
 
 @dataclass
@@ -242,6 +245,7 @@ def validate(cfg: RunConfig) -> None:
         if not installed("deepspeed"):  # an optional extra: say so now, not after the target has loaded
             raise ConfigError(f"train.deepspeed={cfg.train.deepspeed} needs DeepSpeed, which is not installed here: "
                               f"{hint('deepspeed')}, or train.deepspeed=null (plain / DDP)")
+    _tensor_parallel_checks(cfg)
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"bad value for 'output_dir': {out} exists and is not a directory")
@@ -259,6 +263,30 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"bad value for 'drafter.{dc.family}.{key}': {why}") from None
 
 
+def _tensor_parallel_checks(cfg: RunConfig) -> None:
+    """What a split target cannot do yet, named at parse: each of these runs the target on rank 0 alone, or
+    hands its weights to an engine that does not know the split."""
+    tp = cfg.target.tensor_parallel
+    if tp == 1:
+        return
+    why = {"target.gguf_file": cfg.target.gguf_file or str(cfg.target.name_or_path).endswith(".gguf"),
+           "budget.minutes": cfg.budget.minutes is not None,
+           "data.regenerate.enabled": cfg.data.regenerate.enabled,
+           "train.deepspeed": bool(cfg.train.deepspeed),
+           "drafter.family=lora": cfg.drafter.family == "lora"}
+    notes = {"target.gguf_file": "a GGUF target loads on one rank; use the HF checkpoint",
+             "budget.minutes": "the time budget measures the target on rank 0 alone; set data.max_samples and "
+                               "train.epochs, budget.minutes=null",
+             "data.regenerate.enabled": "regeneration decodes on rank 0 alone; regenerate once with an engine "
+                                        "(SGLang / vLLM) or in a run without tensor parallelism",
+             "train.deepspeed": "DeepSpeed would shard the draft over the whole world, not the data-parallel "
+                                "groups; use train.deepspeed=null (DDP)",
+             "drafter.family=lora": "a LoRA self-draft runs the target's own first layers"}
+    bad = [k for k, v in why.items() if v]
+    if bad:
+        raise ConfigError(f"target.tensor_parallel={tp} cannot be combined with {bad[0]}: {notes[bad[0]]}")
+
+
 def _range_checks(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
     """(key, value, predicate, rule) for every numeric option: checked when the recipe is parsed, so a bad
     value is one line naming its key before the target, the data or the drafter load. None = null, allowed."""
@@ -266,7 +294,8 @@ def _range_checks(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
     pos = (lambda v: v >= 1, ">= 1")
     nonneg = (lambda v: v >= 0, ">= 0")
     unit = (lambda v: 0 <= v < 1, "in [0, 1)")
-    checks = [("train.batch_size", t.batch_size, *pos), ("train.grad_accum", t.grad_accum, *pos),
+    checks = [("target.tensor_parallel", cfg.target.tensor_parallel, *pos),
+              ("train.batch_size", t.batch_size, *pos), ("train.grad_accum", t.grad_accum, *pos),
               ("train.max_steps", t.max_steps, *pos), ("train.batch_tokens", t.batch_tokens, *pos),
               ("train.lr", t.lr, lambda v: v > 0 and math.isfinite(v), "> 0"),
               ("train.min_lr_ratio", t.min_lr_ratio, lambda v: 0 <= v <= 1, "in [0, 1]"),

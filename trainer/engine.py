@@ -30,7 +30,7 @@ from drafthead.registry import not_saved
 from drafthead.target import Target, TargetHead
 from trainer.capture import collate, collate_features, features_for_batch
 from trainer.config import RunConfig, deepspeed_config_path
-from trainer.dist import Dist, all_reduce_sum, barrier
+from trainer.dist import Dist, all_reduce_data, barrier
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,9 +247,9 @@ class TorchEngine:
         self.d = d
         self.cfg = cfg
         self.model = model
-        if d.world > 1:
+        if d.dp > 1:  # gradients averaged over the data-parallel ranks (a tp group's ranks hold the same batch)
             self.model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+                model, device_ids=[d.device.index] if d.device.type == "cuda" else None, process_group=d.dp_group)
         params = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                                      weight_decay=cfg.train.weight_decay)
@@ -417,7 +417,7 @@ def _write_checkpoint(run_dir: Path, ckpts: Path, final: Path, step: int, engine
     barrier(d)
     if d.main:
         (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world": d.world,
-                                                            "engine": engine.kind,
+                                                            "tensor_parallel": d.tp, "engine": engine.kind,
                                                             "target_fingerprint": target_fingerprint}, indent=2))
         shutil.copy(run_dir / "config.yaml", tmp / "config.yaml")
         if final.exists():
@@ -446,6 +446,10 @@ def load_checkpoint(folder: Path, engine: Any, d: Dist, target_fingerprint: dict
                        f"checkpoint {folder}", "target.allow_mismatch")
         if note:
             log(f"warning: {note}")
+    was_tp = state.get("tensor_parallel", 1)
+    if was_tp != d.tp:
+        raise ValueError(f"checkpoint {folder} was written with target.tensor_parallel={was_tp}; resume with the "
+                         f"same (now {d.tp}): the data order depends on the data-parallel size")
     if state["world"] != d.world:
         raise ValueError(f"checkpoint {folder} was written by {state['world']} ranks; resume with the same "
                          f"--nproc_per_node (now {d.world})")
@@ -479,17 +483,17 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     model.train(was)
     if correct is None:
         return {}
-    correct, count = all_reduce_sum(correct, d), all_reduce_sum(count, d)
+    correct, count = all_reduce_data(correct, d), all_reduce_data(count, d)
     acc = (correct / count.clamp(min=1)).tolist()
     sim, prod = 1.0, 1.0
     for a in acc:
         prod *= a
         sim += prod
     res = {f"eval/acc_{i}": a for i, a in enumerate(acc)}
-    res["eval/loss"] = float(all_reduce_sum(loss, d)) / (nb * d.world)
+    res["eval/loss"] = float(all_reduce_data(loss, d)) / (nb * d.dp)
     res["eval/sim_accept_len"] = sim  # 1 (bonus token) + sum_k prod_{i<=k} acc_i
     if blocks[1] > 0:  # measured per block: 1 (bonus) + the run of greedy-correct slots
-        blocks = all_reduce_sum(blocks, d)
+        blocks = all_reduce_data(blocks, d)
         res["eval/block_accept_len"] = 1.0 + float(blocks[0] / blocks[1].clamp(min=1))
     return res
 
