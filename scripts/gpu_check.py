@@ -1,7 +1,7 @@
 """One command that checks drafthead on a GPU: verify kernels, bf16 training, DeepSpeed, the runtime on CUDA.
 
-GPU time often comes in short slices with no network, so this is one prepared run (about 5 minutes on one
-H200) that writes `gpu_check.json` and `gpu_check.md` and exits 1 if any check fails:
+GPU time often comes in short slices with no network, so this is one prepared run (105 s on one H200, plus
+about 40 s to start the machine and install the wheels) that writes `gpu_check.json` and `gpu_check.md` and exits 1 if any check fails:
 
   kernels   the Triton verify kernels (tree mask, greedy chain/tree, rejection sampling chain/tree, K/V compaction)
             against their PyTorch references at batch 1-64: equal (or a valid draw, for sampling) and speed ratio
@@ -27,6 +27,8 @@ On the GPU machine, from the checkout (Python 3.12 there; no install of drafthea
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
       PYTHONPATH=/tmp/site python3 scripts/gpu_check.py --out OUT_DIR
+    # or install drafthead itself, resolving every dependency offline (keeps the image's torch):
+    python3 -m pip install --no-index --find-links .whl --no-build-isolation -e '.[dev]'
 
 On CPU, tiny models, every section (the test suite runs this, so the script cannot rot):
 
