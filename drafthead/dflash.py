@@ -182,6 +182,8 @@ class DflashDrafter(nn.Module):
     family = "dflash"
     features = "aux"  # the context entries read the fused target features
     draft_modes = ("block",)
+    reads_target_head = True  # drafts through the target's own head (frozen, not saved)
+    shares_target_layers = False
 
     def __init__(self, c: DflashConfig) -> None:
         super().__init__()
@@ -224,6 +226,12 @@ class DflashDrafter(nn.Module):
             return [f"drafter.dflash.mask_token_id={m} occurs in {len(hits)} training sample(s) (first: {hits[0]}): "
                     f"choose a token id the data never holds"]
         return []
+
+    def target_tensors(self) -> tuple[str, ...]:
+        return ()  # the target's embedding and head (registry.NOT_SAVED)
+
+    def runtime_module(self) -> None:
+        return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
 
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> "BlockRunner":
         return BlockRunner(self, batch, capacity, device)
@@ -375,6 +383,9 @@ class BlockRunner:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # context entries per request
+
+    def bind(self, model: Any, session: Any) -> None:
+        """Nothing to keep: this drafter runs its own layers (the runtime calls this on every draft state)."""
 
     def select(self, rows: torch.Tensor) -> None:
         self.k = [k[rows] for k in self.k]

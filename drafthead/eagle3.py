@@ -161,6 +161,8 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(nn.Module):
     family = "eagle3"
     features = "aux"  # a prefix entry reads the fused aux features of the target
+    reads_target_head = False  # its own head over the draft vocabulary
+    shares_target_layers = False
     draft_modes = ("chain", "tree")
 
     def __init__(self, c: Eagle3Config) -> None:
@@ -178,6 +180,15 @@ class Eagle3Drafter(nn.Module):
     # ---- what the trainer/capture need to know -------------------------------------------------
     def capture_layer_ids(self) -> list[int]:
         return list(self.config.aux_layer_ids)
+
+    def check_data(self, samples: list[dict]) -> list[str]:
+        return []  # any token ids train
+
+    def target_tensors(self) -> tuple[str, ...]:
+        return ()  # the target's embedding is all it holds of the target (registry.NOT_SAVED)
+
+    def runtime_module(self) -> None:
+        return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
 
     def check_target(self, tcfg: Any) -> list[str]:
         """Mismatches with a target's HF config, as messages (none: the draft fits)."""

@@ -7,7 +7,7 @@ both; tests/test_families.py runs every registered family through the same check
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,23 +60,43 @@ class Drafter(Protocol):
         the mismatches with a target, as messages; `draft_state(batch, capacity, device)` a fresh drafting
         state (extend / select, and chain / tree / block for its modes: drafthead/runtime/draft.py,
         `BlockRunner` in drafthead/dflash.py).
-    Optional: `check_data(samples) -> list[str]` problems with the training samples (dicts with input_ids),
-        checked when the draft is built (e.g. a DFlash mask token that occurs in the data).
-    Saving: every tensor of `state_dict()` except `registry.NOT_SAVED` (the target's embedding, and head where a
-        family reads through it: taken back from the target on load).
+        `runtime_module()` what the runtime drafts with: a module of the family's own (a LoRA self-draft's
+        merged adapters), or None for a copy of the drafter with its linears packed for the CPU kernels.
+        The draft state's `bind(model, session)` hands it the target's runtime model and the session (a
+        drafter that runs the target's own layers and cache keeps them; the others ignore it).
+    Data: `check_data(samples) -> list[str]` problems with the training samples (dicts with input_ids),
+        checked when the draft is built (e.g. a DFlash mask token that occurs in the data); [] when none.
+    Saving: every tensor of `state_dict()` except `registry.NOT_SAVED` and `target_tensors()` (the target's
+        embedding, head and layers a family reads through: taken back from the target on load).
+        `reads_target_head`: the drafter holds a frozen `target_lm_head` (filled from the target's head on
+        load); `shares_target_layers`: it is built on the target's own layers, so loading needs the target
+        model and calls `attach_target(target_model)`, which only such families define.
+    Every drafter defines all of these (tests/test_families.py checks it): the shared code never probes.
     """
 
     family: str
     config: Any
     features: str
     draft_modes: tuple[str, ...]
+    reads_target_head: bool
+    shares_target_layers: bool
     embed_tokens: nn.Embedding
 
     def capture_layer_ids(self) -> list[int]: ...
 
     def check_target(self, tcfg: Any) -> list[str]: ...
 
+    def check_data(self, samples: list[dict]) -> list[str]: ...
+
+    def target_tensors(self) -> Iterable[str]: ...
+
+    def runtime_module(self) -> nn.Module | None: ...
+
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any: ...
+
+
+DRAFTER_HOOKS = ("family", "config", "features", "draft_modes", "reads_target_head", "shares_target_layers",
+                 "capture_layer_ids", "check_target", "check_data", "target_tensors", "runtime_module", "draft_state")
 
 
 def resolve(spec: str) -> Callable[..., Any]:

@@ -151,6 +151,8 @@ class LoraDrafter(nn.Module):
     family = "lora"
     features = "aux"  # the input of layer E, which the verify forward captures
     draft_modes = ("chain",)
+    reads_target_head = True
+    shares_target_layers = True  # its first layers are the target's: loading calls `attach_target`
 
     def __init__(self, config: LoraDraftConfig) -> None:
         super().__init__()
@@ -226,6 +228,9 @@ class LoraDrafter(nn.Module):
 
     def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
         return idx  # full vocabulary
+
+    def check_data(self, samples: list[dict]) -> list[str]:
+        return []  # any token ids train
 
     def check_target(self, tcfg: Any) -> list[str]:
         c, out = self.config, []

@@ -279,6 +279,8 @@ class MtpModule(nn.Module):
 class MtpDrafter(nn.Module):
     family = "mtp"
     features = "last"  # a prefix entry reads the target's last hidden state, not aux features
+    reads_target_head = False  # its shared head is saved with it (the export writes it back as the target's)
+    shares_target_layers = False
 
     def __init__(self, c: MtpConfig) -> None:
         super().__init__()
@@ -306,6 +308,15 @@ class MtpDrafter(nn.Module):
     def draft_modes(self) -> tuple[str, ...]:
         """Trees need one module: with several, each tree level would need its module's own prefix cache."""
         return ("chain", "tree") if self.chain_modules == 1 else ("chain",)
+
+    def check_data(self, samples: list[dict]) -> list[str]:
+        return []  # any token ids train
+
+    def target_tensors(self) -> tuple[str, ...]:
+        return ()  # the target's embedding is all it takes back on load (registry.NOT_SAVED)
+
+    def runtime_module(self) -> None:
+        return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
 
     def check_target(self, tcfg: Any) -> list[str]:
         """Mismatches with a target's HF config, as messages (none: the draft fits)."""

@@ -55,7 +55,7 @@ def make_config(name: str, draft: dict, error: type[ValueError] = ValueError) ->
 
 def not_saved(drafter: torch.nn.Module) -> set[str]:
     """State names taken back from the target on load: NOT_SAVED and the family's `target_tensors()`."""
-    return set(NOT_SAVED) | set(drafter.target_tensors() if hasattr(drafter, "target_tensors") else ())
+    return set(NOT_SAVED) | set(drafter.target_tensors())
 
 
 def draft_state_dict(drafter: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -164,7 +164,7 @@ def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None
     draft = read_draft(path)
     drafter = draft.family.model(draft.config)
     drafter.load_state_dict(draft.state, strict=False)  # the target's tensors are not saved
-    if hasattr(drafter, "attach_target"):
+    if drafter.shares_target_layers:
         if target is None:
             raise ValueError(f"a {drafter.family} draft is built from the target's own layers: pass target")
         drafter.attach_target(target)  # the embedding and head too
@@ -182,9 +182,9 @@ def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None
 def attach_head(drafter: torch.nn.Module, head_weight: torch.Tensor | None,
                 error: type[ValueError] = ValueError) -> None:
     """Copy the target's output head [V, H] into a draft that reads through it (no-op for the others)."""
-    head = getattr(drafter, "target_lm_head", None)
-    if head is None:
+    if not drafter.reads_target_head:
         return
+    head = drafter.target_lm_head
     if head_weight is None:
         raise error(f"a {drafter.family} draft reads through the target's output head: pass head_weight")
     if tuple(head_weight.shape) != tuple(head.weight.shape):

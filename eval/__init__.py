@@ -195,7 +195,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
     settings = {"dataset": cfg.dataset, "max_prompts": cfg.max_prompts, "max_new_tokens": cfg.max_new_tokens,
                 "draft": str(Path(cfg.draft).resolve()) if cfg.draft else None,
                 "target": getattr(target, "name_or_path", None), "gguf_file": getattr(target, "gguf_file", None),
-                "drafter_family": getattr(drafter, "family", None) if drafter is not None else None,
+                "drafter_family": drafter.family if drafter is not None else None,
                 "dtype": str(target.model.dtype).removeprefix("torch."),
                 "target_check": target_check,
                 "machine": machine_info(device)}

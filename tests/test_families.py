@@ -61,6 +61,24 @@ def built(request, tiny_llama_dir, tiny_qwen3_dir, tmp_path_factory):
             "tdir": tdir, "tmp": tmp_path_factory.mktemp(f"{name}-{arch}")}
 
 
+def test_speaks_every_declared_hook(built):
+    """Every name of the `Drafter` protocol is defined by the family's own class (the shared code never probes)
+    and the hooks answer in the declared shapes."""
+    from drafthead.family import DRAFTER_HOOKS
+
+    d = built["ds"].drafter
+    missing = [h for h in DRAFTER_HOOKS if not hasattr(type(d), h) and h not in vars(d)]
+    assert not missing, missing
+    assert isinstance(d.reads_target_head, bool) and isinstance(d.shares_target_layers, bool)
+    assert d.check_data(built["train"]) == [] and all(isinstance(k, str) for k in d.target_tensors())
+    assert d.reads_target_head == ("target_lm_head.weight" in d.state_dict())
+    assert d.shares_target_layers == callable(getattr(type(d), "attach_target", None))
+    own = d.runtime_module()
+    assert own is None or isinstance(own, torch.nn.Module)
+    state = (own or d).draft_state(1, 16, torch.device("cpu"))
+    assert callable(state.bind)
+
+
 def test_builds_with_the_declared_vocabulary_and_features(built):
     fam, ds, target = FAMILIES[built["name"]], built["ds"], built["target"]
     assert ds.drafter.family == fam.name and isinstance(ds.drafter, fam.model)

@@ -99,3 +99,18 @@ def test_shared_code_imports_no_family_module():
     allowed = {m for m in graph if m.startswith("drafthead.export.") and m != "drafthead.export.common"}
     assert not {m: d for m, d in bad.items() if d and m not in allowed}
     assert not graph["drafthead.export"] & family_modules
+
+
+SHARED = ["train.py", "trainer", "drafthead/runtime", "eval", "drafthead/export/__init__.py", "drafthead/registry.py"]
+
+
+def test_shared_code_never_probes_a_drafter_or_family() -> None:
+    """The `Drafter` protocol (drafthead/family.py) declares every hook: shared code calls them, never
+    hasattr/getattr on a drafter, its draft state or a family record."""
+    import re
+
+    probe = re.compile(r"\b(?:hasattr|getattr)\(\s*(?:self\.)?(?:drafter|draft|draft_model|fam|family|d\.drafter)\b")
+    files = [p for s in SHARED for p in ([ROOT / s] if (ROOT / s).is_file() else sorted((ROOT / s).rglob("*.py")))]
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
+            for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
+    assert not hits, hits

@@ -554,6 +554,16 @@ class OracleMtp(nn.Module):
     token x_{t+1} of each entry; prompts start with token 1, so the visible sequence is (1, x_1, ...)."""
 
     family, features, draft_modes = "mtp", "last", ("chain", "tree")  # the `Drafter` protocol
+    reads_target_head = shares_target_layers = False
+
+    def check_data(self, samples: list[dict]) -> list[str]:
+        return []
+
+    def target_tensors(self) -> tuple[str, ...]:
+        return ()
+
+    def runtime_module(self) -> None:
+        return None
 
     def capture_layer_ids(self) -> list[int]:
         return []

@@ -68,6 +68,16 @@ class OracleDrafter(nn.Module):
     """
 
     family, features, draft_modes = "oracle", "aux", ("chain", "tree")  # the `Drafter` protocol
+    reads_target_head = shares_target_layers = False
+
+    def check_data(self, samples: list[dict]) -> list[str]:
+        return []
+
+    def target_tensors(self) -> tuple[str, ...]:
+        return ()
+
+    def runtime_module(self) -> None:
+        return None
 
     def capture_layer_ids(self) -> list[int]:
         return [0]

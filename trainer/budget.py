@@ -502,7 +502,7 @@ def dry_run(cfg: Any, log: Callable = print) -> dict[str, float]:
     options = getattr(cfg.drafter, fam.name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
-        vocab = getattr(options, "draft_vocab_size", None) if fam.reduced_vocab else None
+        vocab = options.draft_vocab_size if fam.reduced_vocab else None  # reduced-vocab families size it
         drafter = fam.model(fam.build(tcfg, options, cfg.capture.layer_ids, vocab and min(vocab, tcfg.vocab_size)))
     tparams = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)  # the families freeze their copies

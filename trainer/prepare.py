@@ -102,7 +102,7 @@ def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch
         with torch.no_grad():
             drafter.d2t.copy_(d2t)
             drafter.t2d.copy_(t2d)
-    problems = drafter.check_data(train) if hasattr(drafter, "check_data") else []
+    problems = drafter.check_data(train)
     if problems:
         raise ValueError("; ".join(problems))
     init = fam.init(drafter, target, options)

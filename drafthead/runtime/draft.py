@@ -15,6 +15,7 @@ reduced vocabulary reports its full vocabulary as the "draft vocabulary" (`draft
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,6 +115,9 @@ class DraftRunner:
         self.num_spec = 0  # entries made while speculating this round, at slots lens .. lens + num_spec - 1
         self.logits: torch.Tensor | None = None  # [B, N] draft logits for the token after the root
         self.hidden: torch.Tensor | None = None  # [B, H] output hidden of the root's prefix entry
+
+    def bind(self, model: Any, session: Any) -> None:
+        """Nothing to keep: this drafter runs its own layers (the runtime calls this on every draft state)."""
 
     @property
     def k(self) -> torch.Tensor:
@@ -274,6 +278,9 @@ class ModuleChainRunner:
     def __init__(self, drafter: nn.Module, batch: int, capacity: int, device: torch.device) -> None:
         self.runners = [DraftRunner(_Module(drafter, m), batch, capacity, device)
                         for m in range(drafter.chain_modules)]
+
+    def bind(self, model: Any, session: Any) -> None:
+        """Nothing to keep: this drafter runs its own layers (the runtime calls this on every draft state)."""
 
     def select(self, rows: torch.Tensor) -> None:
         for r in self.runners:

@@ -107,9 +107,9 @@ class SpeculativeGenerator:
         self.drafter = drafter.to(self.device).eval() if drafter is not None else None
         # bf16 drafts on CPU draft through the packed decode kernel (a copy; the drafter passed in is untouched)
         # (a drafter that runs through the target's own runtime layers gives its own `runtime_module`)
+        own = self.drafter.runtime_module() if drafter is not None else None
         self.draft_model = None if drafter is None else (
-            self.drafter.runtime_module() if hasattr(self.drafter, "runtime_module")
-            else cpu_linear.with_packed_linears(self.drafter))
+            own if own is not None else cpu_linear.with_packed_linears(self.drafter))
         aux = check_drafter(drafter, target.config) if drafter is not None else []
         last = drafter is not None and drafter.features == "last"
         self.model = TargetModel(target.model.to(self.device), aux, capture_last=last, weights=weights)
@@ -205,7 +205,7 @@ class _Session:
         self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
         self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached
         self.draft = g.draft_model.draft_state(B, self.capacity, self.dev) if self.use_drafter else None
-        if self.draft is not None and hasattr(self.draft, "bind"):  # drafts through the target's layers and cache
+        if self.draft is not None:  # a drafter that runs the target's layers and cache keeps them
             self.draft.bind(g.model, self)
         # adaptive draft length per request: EMA of accept_len, k = round(ema) + 1
         self.ema = torch.full((B,), (self.max_len - 1) / 2, device=self.dev)
