@@ -21,9 +21,6 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU
-
 from drafthead.io import atomic_write_bytes
 from drafthead.registry import family, save_draft
 from drafthead.target import load_target

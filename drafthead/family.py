@@ -41,7 +41,7 @@ class Family:
     no_reader: dict[str, str] = field(default_factory=dict)
     # "draft" keys renamed since a draft directory was written: old name -> new name (read on load)
     renamed_keys: dict[str, str] = field(default_factory=dict)
-    # (options, target HF config) -> a one-line description for the training log
+    # (options, the drafter's built config) -> a one-line description for the training log
     describe: Callable[[Any, Any], str] | None = None
 
 

@@ -118,6 +118,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     table = _ROPE_TABLES.get(key)
     if table is None or table.shape[1] < top:
         n = max(1024, 1 << (top - 1).bit_length())
+        _ROPE_TABLES.pop(key, None)
+        while len(_ROPE_TABLES) >= ROPE_TABLES_KEPT:  # a process that meets many geometries keeps the newest
+            _ROPE_TABLES.pop(next(iter(_ROPE_TABLES)))
         table = _ROPE_TABLES[key] = torch.stack(_rope_rows(torch.arange(n, dtype=torch.float32), head_dim, theta))
     cos_sin = table[:, positions]  # [2, B, T, D]
     return cos_sin[0][:, None], cos_sin[1][:, None]
@@ -131,7 +134,8 @@ def _rope_rows(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[to
     return emb.cos(), emb.sin()
 
 
-_ROPE_TABLES: dict[tuple, torch.Tensor] = {}
+_ROPE_TABLES: dict[tuple, torch.Tensor] = {}  # (head_dim, theta) -> [2, positions, D], oldest first
+ROPE_TABLES_KEPT = 8
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -158,7 +162,8 @@ def write_kv(dst: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, start: i
 
 
 def take_rows(x: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
-    """x [B, T, ...] -> x[b, at[b]] as [B, 1, ...] (the one row per request whose logits are wanted); x if at is None."""
+    """x [B, T, ...] -> x[b, at[b]] as [B, 1, ...] (the one row per request whose logits are wanted);
+    x if at is None."""
     return x if at is None else x[torch.arange(x.shape[0], device=x.device), at][:, None]
 
 

@@ -47,7 +47,8 @@ class EvalConfig:
     seed: int = 0
     batch_size: int = 1
     device: str = "auto"  # auto = cuda if available, else cpu
-    dtype: str = "auto"  # target and draft weights: auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16
+    # target and draft weights: auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16
+    dtype: str = "auto"
     threads: int | None = None  # torch CPU threads (default: torch's)
     # fp32 CPU targets: the decode kernel streams the target's weights as bf16 or int8 (rounded in place for
     # prompts too); null = as loaded

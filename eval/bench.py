@@ -50,7 +50,8 @@ class BenchConfig:
     verify_prefix: int = 256  # cached prefix length of the verify-cost curve
     verify_repeats: int = 5
     device: str = "auto"
-    dtype: str = "auto"  # auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16; HF generate runs the same weights
+    # auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16; HF generate runs the same weights
+    dtype: str = "auto"
     threads: int | None = None
     weights: str | None = None  # fp32 CPU targets: bf16 | int8 weights in the decode kernel (see drafthead eval)
     out: str | None = None  # bench.json path, or a directory to write bench.json into

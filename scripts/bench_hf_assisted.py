@@ -2,7 +2,8 @@
 against plain `generate`, greedy, on MT-Bench first turns (a baseline users know).
 
     python scripts/bench_hf_assisted.py draft=runs/lora_smollm2/final
-    python scripts/bench_hf_assisted.py draft=... max_prompts=8 max_new_tokens=128 num_assistant_tokens=[2,4] dtype=float32
+    python scripts/bench_hf_assisted.py draft=... max_prompts=8 max_new_tokens=128 \\
+        num_assistant_tokens=[2,4] dtype=float32
 
 Prints tokens/s of both, the ratio, and whether every assisted output equals the plain one, with the CPU class.
 """

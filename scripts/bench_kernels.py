@@ -141,7 +141,8 @@ def build(name: str, prm: dict, device: torch.device, g: torch.Generator):
         B, N = prm["B"], prm["N"]
         tokens, parents, num_nodes = random_tree(B, N, 4, device, g)  # 4 tokens: many matches
         am = torch.randint(0, 4, (B, N), generator=g, device=device)
-        kernel = lambda: verify.greedy_verify_tree(tokens, parents, num_nodes, am, backend="triton", check=False)  # noqa: E731
+        kernel = lambda: verify.greedy_verify_tree(tokens, parents, num_nodes, am,  # noqa: E731
+                                                   backend="triton", check=False)
         reference = lambda: ref.greedy_verify_tree(tokens, parents, num_nodes, am)  # noqa: E731
         return kernel, reference, lambda: same(kernel(), reference())
     if name == "greedy_chain":
@@ -175,7 +176,8 @@ def build(name: str, prm: dict, device: torch.device, g: torch.Generator):
         def check() -> str:
             al, nt = kernel()
             pad = lambda t: torch.cat([torch.zeros_like(t[:, :1]), t], 1)  # noqa: E731 - root row
-            walk = ref.rejection_walk_tree(tokens, parents, num_nodes, target, None if draft is None else pad(draft), pad(u))
+            walk = ref.rejection_walk_tree(tokens, parents, num_nodes, target,
+                                           None if draft is None else pad(draft), pad(u))
             return check_sample((al, walk[1], nt), walk, bu)
 
         return kernel, reference, check
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     ap.add_argument("--quick", action="store_true", help="small grid (a correctness smoke test)")
-    ap.add_argument("--cpu", action="store_true", help="run on CPU: references only (kernels too under TRITON_INTERPRET=1)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="run on CPU: references only (kernels too under TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
 
     if args.cpu:

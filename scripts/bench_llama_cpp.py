@@ -175,7 +175,8 @@ def main(argv: list[str]) -> int:
             rows[k] = {"accept_rate": accepted / drafted if drafted else None, "rounds": drafted / k,
                        "accepted_per_round": accepted / (drafted / k) if drafted else 0.0,
                        "tokens_per_s": decoded / secs, "speedup": decoded / secs / base_tok_s,
-                       "decode_s": secs, "same_as_alone": sum(_prefix_equal(r.text, b.text) for r, b in zip(runs, base)),
+                       "decode_s": secs,
+                       "same_as_alone": sum(_prefix_equal(r.text, b.text) for r, b in zip(runs, base)),
                        "same_across_n_draft": sum(_prefix_equal(r.text, t) for r, t in zip(runs, first))}
             if cfg.by_position:  # a verbose pass (slower: its timings are not used) for llama.cpp's per-position counts
                 pos = [run_speculative(bins, tgt, dft, p, cfg.max_new_tokens, k, cfg.threads, spec_type=st,

@@ -78,11 +78,14 @@ def main(argv: list[str]) -> None:
         best["fwd"] = max(best["fwd"], timed(fwd))
         best["cap"] = max(best["cap"], timed(cap))
         best["train"] = max(best["train"], timed(lambda b: train_step(feats[id(b)])))
-        best["online"] = max(best["online"], timed(lambda b: train_step(features_for_batch(target, b, layer_ids, fdt, argmax=d2t is not None))))
+        best["online"] = max(best["online"], timed(
+            lambda b: train_step(features_for_batch(target, b, layer_ids, fdt, argmax=d2t is not None))))
     fwd_tps, cap_tps, train_tps, online_tps = best["fwd"], best["cap"], best["train"], best["online"]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"recipe {cfg.recipe}: target {cfg.target.name_or_path} ({resolve_dtype_name(cfg.target.dtype, quiet=True)}), "
-          f"draft vocab {d2t.numel() if d2t is not None else 'full'}, K {drafter.config.num_draft_tokens}, batch {bs} x <= {cfg.data.max_length} tokens, "
+    print(f"recipe {cfg.recipe}: target {cfg.target.name_or_path} "
+          f"({resolve_dtype_name(cfg.target.dtype, quiet=True)}), "
+          f"draft vocab {d2t.numel() if d2t is not None else 'full'}, K {drafter.config.num_draft_tokens}, "
+          f"batch {bs} x <= {cfg.data.max_length} tokens, "
           f"train dtype {resolve_dtype_name(cfg.train.dtype, quiet=True)}, threads {torch.get_num_threads()}, "
           f"CPU class {cpu_class()} (capability {cpu_capability()})")
     print(f"target forward      {fwd_tps:8.0f} tok/s")

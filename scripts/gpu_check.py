@@ -1,7 +1,8 @@
 """One command that checks drafthead on a GPU: verify kernels, bf16 training, DeepSpeed, the runtime on CUDA.
 
 GPU time often comes in short slices with no network, so this is one prepared run (105 s on one H200, plus
-about 40 s to start the machine and install the wheels) that writes `gpu_check.json` and `gpu_check.md` and exits 1 if any check fails:
+about 40 s to start the machine and install the wheels) that writes `gpu_check.json` and `gpu_check.md`
+and exits 1 if any check fails:
 
   kernels   the Triton verify kernels (tree mask, greedy chain/tree, rejection sampling chain/tree, K/V compaction)
             against their PyTorch references at batch 1-64: equal (or a valid draw, for sampling) and speed ratio
@@ -16,16 +17,17 @@ about 40 s to start the machine and install the wheels) that writes `gpu_check.j
             cached prefix) of the runtime's forward beside HF's forward with a DynamicCache
 
 Here, with network (the GPU image has torch 2.11, transformers 5.17, triton 3.6, peft, safetensors, tqdm,
-numpy, pyyaml; the rest travels as wheels, about 5.5 MiB):
+numpy, pyyaml; the rest travels as wheels, about 6 MiB):
 
     python scripts/gpu_check.py --fetch-wheels      # -> .whl/: omegaconf 2.4.0, deepspeed 0.19.8 (built from
                                                     #    its sdist, DS_BUILD_OPS=0: pure Python), hjson 3.1.0,
                                                     #    pydantic 2.13.4, pydantic-core 2.46.4, annotated-types
-                                                    #    0.7.0, typing-inspection 0.4.2, ijson 3.6.0, gguf 0.19.0
+                                                    #    0.7.0, typing-inspection 0.4.2, ijson 3.6.0, gguf 0.19.0,
+                                                    #    datasets 5.2.0, dill 0.4.1, multiprocess 0.70.19
 
 On the GPU machine, from the checkout (Python 3.12 there; no install of drafthead needed):
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \\
       PYTHONPATH=/tmp/site python3 scripts/gpu_check.py --out OUT_DIR
     # or install drafthead itself, resolving every dependency offline (keeps the image's torch):
     python3 -m pip install --no-index --find-links .whl --no-build-isolation -e '.[dev]'
@@ -61,7 +63,8 @@ if "--dry" in sys.argv:  # before triton is imported: the kernels run in Triton'
 import torch  # noqa: E402
 
 WHEELS = ["omegaconf==2.4.0", "hjson==3.1.0", "pydantic==2.13.4", "pydantic-core==2.46.4", "annotated-types==0.7.0",
-          "typing-inspection==0.4.2", "ijson==3.6.0", "gguf==0.19.0"]
+          "typing-inspection==0.4.2", "ijson==3.6.0", "gguf==0.19.0",
+          "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19"]  # the last three: `pip install -e .` offline
 DEEPSPEED = "deepspeed==0.19.8"  # sdist only on PyPI: built into a pure-Python wheel here
 # dense bf16 tensor-core peak (datasheet, no sparsity), FLOP/s
 BF16_PEAK = {"H200": 989.4e12, "H100": 989.4e12, "H20": 148e12, "A100": 312e12, "L40S": 362e12, "B200": 2250e12}

@@ -40,7 +40,8 @@ PHASES = [
     ("aten::mm", "projections"), ("aten::matmul", "projections"),
     ("scaled_dot_product", "attention"), ("drafthead_attention", "attention"), ("_flash_attention", "attention"),
     ("aten::bmm", "attention"),
-    ("drafthead_rope", "rope, elementwise"), ("drafthead_silu_mul", "rope, elementwise"), ("rms_norm", "norms"), ("aten::pow", "norms"), ("aten::rsqrt", "norms"),
+    ("drafthead_rope", "rope, elementwise"), ("drafthead_silu_mul", "rope, elementwise"), ("rms_norm", "norms"),
+    ("aten::pow", "norms"), ("aten::rsqrt", "norms"),
     ("aten::index_put", "kv writes, masks"), ("aten::copy_", "kv writes, masks"), ("aten::slice", "kv writes, masks"),
     ("aten::lt", "kv writes, masks"), ("aten::le", "kv writes, masks"), ("aten::ge", "kv writes, masks"),
     ("aten::__or__", "kv writes, masks"), ("aten::__and__", "kv writes, masks"), ("aten::bitwise", "kv writes, masks"),
@@ -88,7 +89,8 @@ def main(argv: list[str]) -> int:
     bound = bandwidth_bound(tm, "cpu")
     print(f"CPU class {hardware.cpu_class()} (capability {hardware.cpu_capability()}), {torch.get_num_threads()} "
           f"threads, {str(tm.dtype).removeprefix('torch.')}, kernel {tm.kernel or 'none (oneDNN)'}, weights "
-          f"{tm.weights}, layers {'one call each' if tm.fused else 'op by op'}: {bound['weight_bytes'] / 1e6:.0f} MB a token at {bound['read_gb_per_s']:.1f} GB/s -> "
+          f"{tm.weights}, layers {'one call each' if tm.fused else 'op by op'}: "
+          f"{bound['weight_bytes'] / 1e6:.0f} MB a token at {bound['read_gb_per_s']:.1f} GB/s -> "
           f"bound {bound['bound_ms']:.1f} ms")
     prefix = torch.randint(100, 20000, (1, int(cfg.prefix)), generator=torch.Generator().manual_seed(0))
     cache = tm.new_cache(1, int(cfg.prefix) + max(cfg.rows))

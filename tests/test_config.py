@@ -102,12 +102,15 @@ def test_bad_ranges_and_argument_shape():
         load_config(["data.max_length=2"])
     with pytest.raises(ConfigError, match=r"drafter\.eagle3\.num_draft_tokens"):
         load_config(["drafter.eagle3.num_draft_tokens=0"])
-    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.eagle3\.feature_loss_weight': -0\.5 \(must be >= 0\)"):
+    with pytest.raises(ConfigError,
+                       match=r"bad value for 'drafter\.eagle3\.feature_loss_weight': -0\.5 \(must be >= 0\)"):
         load_config(["drafter.eagle3.feature_loss_weight=-0.5"])
-    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.eagle3\.hard_label_weight': 1\.5 \(must be in \[0, 1\]\)"):
+    with pytest.raises(ConfigError,
+                       match=r"bad value for 'drafter\.eagle3\.hard_label_weight': 1\.5 \(must be in \[0, 1\]\)"):
         load_config(["drafter.eagle3.hard_label_weight=1.5"])
     # a family's key given without its section: named, with the section it belongs to
-    with pytest.raises(ConfigError, match=r"unknown config key 'drafter\.draft_vocab_size'.*'drafter\.eagle3\.draft_vocab_size'"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown config key 'drafter\.draft_vocab_size'.*'drafter\.eagle3\.draft_vocab_size'"):
         load_config(["drafter.draft_vocab_size=64"])
     with pytest.raises(ConfigError, match=r"key=value.*'max_steps'"):
         load_config(["max_steps"])

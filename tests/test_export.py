@@ -283,7 +283,8 @@ def llama_cpp_eagle3_forward(tensors, kv, ids, aux, emb) -> np.ndarray:
     """Reference forward following src/models/eagle3.cpp: NORM (adjacent-pair) rope, d2t scatter."""
     t = {n: gguf_array(x).astype(np.float64) for n, x in tensors.items()}
     eps, base = kv["eagle3.attention.layer_norm_rms_epsilon"], kv["eagle3.rope.freq_base"]
-    nh, nkv, d = kv["eagle3.attention.head_count"], kv["eagle3.attention.head_count_kv"], kv["eagle3.rope.dimension_count"]
+    nh, nkv, d = (kv["eagle3.attention.head_count"], kv["eagle3.attention.head_count_kv"],
+                  kv["eagle3.rope.dimension_count"])
 
     def rms(x, w):
         return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * w
@@ -447,7 +448,8 @@ def test_target_mismatch(setup, tmp_path, fmt):
 
 
 def test_unknown_format_and_options(setup, tmp_path):
-    with pytest.raises(ExportError, match=r"unknown export format to='onnx'; choose one of \['gguf', 'sglang', 'speculators'\]"):
+    with pytest.raises(ExportError,
+                       match=r"unknown export format to='onnx'; choose one of \['gguf', 'sglang', 'speculators'\]"):
         export(setup["draft"], "onnx", tmp_path / "o")
     with pytest.raises(ExportError, match="takes no option"):
         export(setup["draft"], "sglang", tmp_path / "o", num_draft_tokens=3)
@@ -481,7 +483,8 @@ def test_load_exported_checks_an_outside_checkpoint(setup, tmp_path):
     out = export(setup["draft"], "sglang", tmp_path / "s")
     sd = load_file(str(out / "model.safetensors"))
     save_file({k: v for k, v in sd.items() if k != "lm_head.weight"}, str(out / "model.safetensors"))
-    with pytest.raises(ExportError, match=r"draft tensors do not match its config \(eagle3\): missing \['lm_head.weight'\]"):
+    with pytest.raises(ExportError,
+                       match=r"draft tensors do not match its config \(eagle3\): missing \['lm_head.weight'\]"):
         load_exported(out)
     bad = dict(sd)
     bad["norm.weight"] = torch.full_like(sd["norm.weight"], float("nan"))

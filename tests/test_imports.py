@@ -114,3 +114,12 @@ def test_shared_code_never_probes_a_drafter_or_family() -> None:
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
             for i, line in enumerate(p.read_text().splitlines(), 1) if probe.search(line)]
     assert not hits, hits
+
+
+def test_no_python_line_over_120_characters() -> None:
+    import subprocess
+
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    long = [f"{f}:{i}: {len(line)}" for f in files if (ROOT / f).exists()
+            for i, line in enumerate((ROOT / f).read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, long

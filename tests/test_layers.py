@@ -108,3 +108,15 @@ def test_rope_tables_hold_the_formula():
         cos, sin = rope_cos_sin(p, 64, 10000.0)
         assert cos.shape == sin.shape == (p.shape[0], 1, 4, 64) and cos.dtype == torch.float32
         assert torch.equal(cos, emb[: p.shape[0]].cos()[:, None]) and torch.equal(sin, emb[: p.shape[0]].sin()[:, None])
+
+
+def test_rope_tables_keep_a_bounded_number_of_geometries() -> None:
+    from drafthead import layers
+
+    pos = torch.arange(6)[None]
+    for hd in range(8, 8 + 2 * (layers.ROPE_TABLES_KEPT + 4), 2):
+        cos, sin = layers.rope_cos_sin(pos, hd, 10000.0)
+        want_cos, want_sin = layers._rope_rows(pos.float(), hd, 10000.0)
+        assert torch.equal(cos[:, 0], want_cos) and torch.equal(sin[:, 0], want_sin)
+    assert len(layers._ROPE_TABLES) <= layers.ROPE_TABLES_KEPT
+    assert (8 + 2 * (layers.ROPE_TABLES_KEPT + 3), 10000.0) in layers._ROPE_TABLES  # the newest is kept

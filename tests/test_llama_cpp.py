@@ -244,7 +244,8 @@ def test_gguf_equals_llama_cpp_converter(world, tmp_path):
 
     a, b = read_gguf_metadata(ours), read_gguf_metadata(conv)
     assert a["eagle3.target_layers"] == b["eagle3.target_layers"] == (9, 5, [3, 12, 25])
-    assert a["eagle3.feed_forward_length"][2] == b["eagle3.feed_forward_length"][2] == 2 * target.config.intermediate_size
+    assert (a["eagle3.feed_forward_length"][2] == b["eagle3.feed_forward_length"][2]
+            == 2 * target.config.intermediate_size)
     for k in sorted(set(a) | set(b)):
         if k.startswith("general.") or k in ("eagle3.norm_before_fc", "tokenizer.ggml.add_space_prefix",
                                               GGUF_FINGERPRINT_KEY):

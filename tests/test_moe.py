@@ -117,14 +117,16 @@ def test_moe_bad_blocks_and_unsupported_targets_are_named_errors() -> None:
     keep, layer.mlp = layer.mlp, NotAnExpertBlock()
     try:
         with pytest.raises(ValueError, match=r"target layer 2: NotAnExpertBlock is neither a dense gate/up/down MLP "
-                                             r"nor an MoE block with `gate` \(router\) and `experts` \(children: router\)"):
+                                             r"nor an MoE block with `gate` \(router\) and `experts` "
+                                             r"\(children: router\)"):
             TargetModel(target.model)
     finally:
         layer.mlp = keep
     c = target.model.config
     c.model_type = "deepseek_v3"
     try:
-        with pytest.raises(ValueError, match="'deepseek_v3' is not supported by the runtime .*still train.*SGLang or vLLM"):
+        with pytest.raises(ValueError,
+                           match="'deepseek_v3' is not supported by the runtime .*still train.*SGLang or vLLM"):
             TargetModel(target.model)
     finally:
         c.model_type = "qwen3_moe"

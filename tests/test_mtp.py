@@ -99,7 +99,8 @@ def test_config_from_targets_and_step_weights():
                                                 num_hidden_layers=4, mtp_num_hidden_layers=1))
     assert q.attn_output_gate and q.norm_unit_offset and q.qk_norm and q.partial_rotary_factor == 0.25
     assert q.native_layers == 1
-    f = MtpConfig.from_target(tiny_llama().config, num_draft_tokens=3, step_weights=FASTMTP_STEP_WEIGHTS, recursive=False)
+    f = MtpConfig.from_target(tiny_llama().config, num_draft_tokens=3, step_weights=FASTMTP_STEP_WEIGHTS,
+                              recursive=False)
     assert f.step_weights == [0.51, 0.31, 0.18] and f.stored_modules == 3
     with pytest.raises(ValueError, match="step_weights has 2 entries for num_draft_tokens=3"):
         MtpConfig.from_target(tiny_llama().config, num_draft_tokens=3, step_weights=[0.5, 0.5])
@@ -747,14 +748,16 @@ def test_export_rejects_bad_drafts_targets_and_formats(tmp_path):
             export(ddir, "gguf", tmp_path / "x.gguf", target=str(folder))
     with pytest.raises(ExportError, match=r"cannot run MTP layers for a llama target \(smollm2-135m-instruct\)"):
         export(ddir, "gguf", tmp_path / "x.gguf", target="smollm2-135m-instruct")  # read from the GGUF's metadata
-    with pytest.raises(ExportError, match=r"unknown export format to='sglang'; choose one of \['gguf', 'hf'\] \(the formats of mtp drafts"):
+    with pytest.raises(ExportError, match=r"unknown export format to='sglang'; choose one of \['gguf', 'hf'\] "
+                                          r"\(the formats of mtp drafts"):
         export(ddir, "sglang", tmp_path / "x")
     with pytest.raises(ExportError, match=r"to=hf takes no option\(s\) \['verifier'\]"):
         export(ddir, "hf", tmp_path / "x", verifier="y")
     # an EAGLE3 draft is not an MTP draft
     e3 = Eagle3Drafter(Eagle3Config.from_target(model.config, draft_vocab_size=V))
     save_draft(e3, tmp_path / "eagle", {"name_or_path": str(tdir)})
-    with pytest.raises(ExportError, match=r"unknown export format to='hf'; .* \(the formats of eagle3 drafts; .*\bhf\b.* export other families\)"):
+    with pytest.raises(ExportError, match=r"unknown export format to='hf'; .* \(the formats of eagle3 drafts; "
+                                          r".*\bhf\b.* export other families\)"):
         export(tmp_path / "eagle", "hf", tmp_path / "x")
     # missing / misshapen tensors, a draft sized for another target, a target that is not there
     sd = load_file(str(ddir / "model.safetensors"))

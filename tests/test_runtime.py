@@ -332,7 +332,8 @@ def test_bf16_decode_kernel_is_close_to_hf_and_lossless(arch: str) -> None:
         gen = SpeculativeGenerator(target, random_drafter(target))
         gen.model.decode_kernel = on
         want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
-        for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
+        for spec in (SpecConfig(mode="chain", num_draft_tokens=3),
+                     SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
                      SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6)):
             assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, (on, spec)
 
@@ -363,7 +364,8 @@ def test_fp32_decode_kernel_is_lossless_bit_for_bit(arch: str, weights: str | No
     prompts = random_prompts(3, 128, seed=5)
     want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
     for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
-                 SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6), SpecConfig(mode="ngram", num_draft_tokens=3),
+                 SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6),
+                 SpecConfig(mode="ngram", num_draft_tokens=3),
                  SpecConfig(mode="chain", num_draft_tokens=3, batch_size=3)):
         assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, spec
 
@@ -403,7 +405,8 @@ def test_one_call_layers_give_the_bits_of_op_by_op_layers(arch: str, dtype: torc
     block, with two requests at different lengths (Qwen2: q/k/v biases; Qwen3: q/k norms)."""
     kind = cpu_linear.kind_for(dtype)
     if not (cpu_linear.available(kind) and cpu_linear.available("fp32")):
-        pytest.skip(f"CPU kernels unavailable: {cpu_linear.unavailable_reason(kind) or cpu_linear.unavailable_reason('fp32')}")
+        pytest.skip(f"CPU kernels unavailable: "
+                    f"{cpu_linear.unavailable_reason(kind) or cpu_linear.unavailable_reason('fp32')}")
     target = tiny_target(arch, dtype=dtype, seed=4, head_dim=16, num_attention_heads=6, num_key_value_heads=2,
                          hidden_size=48, intermediate_size=96)
     g = torch.Generator().manual_seed(2)
@@ -499,7 +502,8 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
     # given x = input_norm(h) and residual h it is the layer's forward, bit for bit
     post = layer.post_attention_layernorm
     bare = ext.DecodeLayer(0, 2, 2, 16, a.scaling, None, 0.0, post.weight.detach(), post.variance_epsilon, None, None,
-                           0.0, *[(p.packed, p.out_features, p.scale, p.bias) for p in (qkv, o, gate_up, down)], None, False)
+                           0.0, *[(p.packed, p.out_features, p.scale, p.bias) for p in (qkv, o, gate_up, down)],
+                           None, False)
     h1 = torch.randn(1, 1, 32)
     step_x = cpu_linear.rms_norm(h1, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
     got_cache, want_cache = cache.clone(), cache.clone()
@@ -599,7 +603,8 @@ def test_attend_is_invariant_to_query_count_on_real_case() -> None:
     for T in (1, 2, 5, 8):
         got = attend(q[:, :, :T], k, v, attention_mask(lens, T, S, None), 0.125, per_query=True)
         assert torch.equal(got, per_q[:, :, :T]), T
-    raw = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v, attn_mask=attention_mask(lens, 1, S, None),
+    raw = torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v,
+                                                           attn_mask=attention_mask(lens, 1, S, None),
                                                            scale=0.125, enable_gqa=True)
     if torch.equal(raw, block[:, :, :1]):  # AMD EPYC (AVX512-BF16)
         pytest.skip("SDPA's q_len-1 kernel matches its block kernel on this CPU: the stored case cannot fail here")
@@ -621,7 +626,8 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
     assert sum(sum(r.accept_lens) for r in got) > 0  # the oracle's drafts were verified, not skipped
     # an fp32 draft on the bf16 target: bf16 features in, fp32 drafting; the target still decides
     gen32 = SpeculativeGenerator(target, random_drafter(target).float())
-    for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6),
+    for spec in (SpecConfig(mode="chain", num_draft_tokens=3),
+                 SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6),
                  SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, batch_size=2)):
         assert [r.tokens for r in gen32.generate(prompts, 24, spec)] == want, spec
 
@@ -630,7 +636,8 @@ def test_prompts_take_onednn_on_amx_and_the_kernels_elsewhere(monkeypatch: pytes
     """Prompts go through the decode kernels except on AMX CPUs (oneDNN's tiles): either way generated tokens take
     the kernels and speculative output equals AR output; the two prompt paths agree up to bf16 rounding."""
     if not (cpu_linear.available("bf16") and cpu_linear.available("fp32")):
-        pytest.skip(f"CPU kernels unavailable: {cpu_linear.unavailable_reason('bf16') or cpu_linear.unavailable_reason('fp32')}")
+        pytest.skip(f"CPU kernels unavailable: "
+                    f"{cpu_linear.unavailable_reason('bf16') or cpu_linear.unavailable_reason('fp32')}")
     target = tiny_target("llama", dtype=torch.bfloat16, seed=4, head_scale=4.0)
     prompts = random_prompts(3, 128, seed=5)
     logits = {}

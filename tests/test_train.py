@@ -39,8 +39,9 @@ def args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]:
     the tests rely on is pinned here, whatever the default recipe says."""
     kv = {"target.name_or_path": target_dir, "target.dtype": "float32", "data.dataset": data,
           "data.max_samples": "null", "data.num_holdout": 4, "data.max_length": 96, "data.overlong": "truncate",
-          "data.regenerate.enabled": "false", "drafter.eagle3.draft_vocab_size": 128, "drafter.eagle3.num_draft_tokens": 3,
-          "drafter.eagle3.step_decay": 0.8, "capture.mode": "online", "capture.layer_ids": "[1,2,3]",
+          "data.regenerate.enabled": "false", "drafter.eagle3.draft_vocab_size": 128,
+          "drafter.eagle3.num_draft_tokens": 3, "drafter.eagle3.step_decay": 0.8,
+          "capture.mode": "online", "capture.layer_ids": "[1,2,3]",
           "capture.dtype": "bfloat16", "train.epochs": 1, "train.batch_size": 2, "train.batch_tokens": "null",
           "train.grad_accum": 1, "train.max_steps": 6, "train.save_every": 3, "train.keep_checkpoints": 2,
           "train.eval_every": 0, "train.eval_samples": "null", "train.lr": 1e-3, "train.warmup_ratio": 0.02,
@@ -115,7 +116,8 @@ def test_run_dir_contents(full_run, tiny_llama_dir, tiny_sharegpt):
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
     for r in train_rows:
-        assert {"step", "epoch", "loss", "lr", "acc_0", "acc_1", "acc_2", "tokens_per_s", "tokens_seen", "wall_s"} <= set(r)
+        assert {"step", "epoch", "loss", "lr", "acc_0", "acc_1", "acc_2", "tokens_per_s", "tokens_seen",
+                "wall_s"} <= set(r)
         assert r["loss"] > 0 and r["tokens_per_s"] > 0 and all(0 <= r[f"acc_{i}"] <= 1 for i in range(3))
     assert "acc_3" not in train_rows[0]
     # the lr of each row is the one its step used: warmup (1 step) then cosine down to ~0 at the last step
@@ -228,7 +230,8 @@ def test_max_samples_counts_training_conversations(tiny_llama_dir, tiny_sharegpt
     from trainer.prepare import prepare_samples
 
     cfg = load_config(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"data.max_samples": 10}))
-    prep = prepare_samples(cfg, load_target(str(tiny_llama_dir), dtype="float32"), Dist(), tmp_path / "run", log=lambda *a: None)
+    prep = prepare_samples(cfg, load_target(str(tiny_llama_dir), dtype="float32"), Dist(), tmp_path / "run",
+                           log=lambda *a: None)
     assert len(prep.train) == 10 and len(prep.heldout) == len(prep.heldout_convs) == 4
     assert not {s["id"] for s in prep.train} & {c.id for c in prep.heldout_convs}
 
@@ -381,7 +384,8 @@ def test_deepspeed_two_processes(stage, ddp_run, tiny_llama_dir, tiny_sharegpt, 
     assert_same_weights(run / "final", ddp_run / "final", atol=1e-5)  # other reduction orders
     assert [r["loss"] for r in metrics(run) if "loss" in r] == \
         pytest.approx([r["loss"] for r in metrics(ddp_run) if "loss" in r], rel=1e-6)
-    assert without_wall(metrics(run)[-1]) == pytest.approx(without_wall(metrics(ddp_run)[-1]), rel=1e-5)  # held-out eval on both ranks
+    # held-out eval on both ranks
+    assert without_wall(metrics(run)[-1]) == pytest.approx(without_wall(metrics(ddp_run)[-1]), rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- (e) real SmolLM2

@@ -442,7 +442,8 @@ def plan_run(cfg: Any, target: Any, d: Any, run_dir: Path, t_start: float, log: 
         cfg.train.epochs = plan.passes
     log(plan.line())
     if not plan.fits:
-        log(f"warning: the given keys ({', '.join(k for k in ('data.max_samples', 'train.epochs', 'train.max_steps') if k not in plan.chosen)}) "
+        log(f"warning: the given keys ("
+            f"{', '.join(k for k in ('data.max_samples', 'train.epochs', 'train.max_steps') if k not in plan.chosen)}) "
             f"make a run of ~{plan.est_s['total'] / 60:.0f} min, over budget.minutes={cfg.budget.minutes:g}")
     return plan
 

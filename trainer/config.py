@@ -42,7 +42,8 @@ class RegenerateConfig:
     top_p: float = 1.0
     batch_size: int = 8
     max_turns: int = 1
-    max_prompt_tokens: int | None = None  # longer first prompts keep their original answers (null = data.max_length - 32)
+    # longer first prompts keep their original answers (null = data.max_length - 32)
+    max_prompt_tokens: int | None = None
     heldout: bool = False  # also answer the held-out prompts with the target: held-out accuracy then scores
     # what drafting meets at inference (the target's own text) instead of the dataset's answers
 

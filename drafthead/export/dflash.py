@@ -46,7 +46,8 @@ LAYER_NAMES = {  # ours (after `layers.{i}.`) -> llama.cpp (after `blk.{i}.`)
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
-TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight", "norm.weight": "output_norm.weight"}
+TOP_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+             "norm.weight": "output_norm.weight"}
 
 
 def check_target(cfg: DflashConfig, t: TargetInfo) -> None:
@@ -54,7 +55,8 @@ def check_target(cfg: DflashConfig, t: TargetInfo) -> None:
         raise ExportError(f"target vocab size {t.vocab_size} ({t.source}) does not match the draft's {cfg.vocab_size}: "
                           f"the draft was trained for another target")
     if t.hidden_size != cfg.hidden_size:
-        raise ExportError(f"target hidden size {t.hidden_size} ({t.source}) does not match the draft's {cfg.hidden_size}")
+        raise ExportError(f"target hidden size {t.hidden_size} ({t.source}) does not match the draft's "
+                          f"{cfg.hidden_size}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_hidden_layers - 1]
     if bad:
         raise ExportError(f"target layer ids {bad} out of range for a target with {t.num_hidden_layers} layers")

@@ -1,7 +1,11 @@
-"""Verify-step kernels for speculative decoding: tree mask, greedy and lossless rejection-sampling acceptance
-over draft trees and chains, and K/V compaction of the accepted path.
+"""Kernels: the verify step, and the CPU decode kernels.
 
-`verify` is the public API (Triton on CUDA, PyTorch reference elsewhere); `reference` is the readable spec.
+- Verify (exported here): tree mask, greedy and lossless rejection-sampling acceptance over draft trees and
+  chains, K/V compaction of the accepted path. `verify` is the public API (Triton on CUDA, the PyTorch
+  reference elsewhere); `reference` is the readable spec; `triton_kernels` the CUDA kernels.
+- CPU decode (`cpu_linear`, imported where used): packed bf16 / fp32 projections, attention, norms, RoPE,
+  SiLU-and-multiply and one-call decoder layers, built from `cpu_linear.cpp` (AVX512-BF16) and
+  `cpu_linear_avx2.cpp` (fp32 on AVX2/FMA, with AVX-512 paths where the CPU has them) on first use.
 """
 from drafthead.kernels.verify import (
     BACKENDS,

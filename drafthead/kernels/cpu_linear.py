@@ -240,8 +240,9 @@ def avx512_tiles(on: bool | None = None) -> bool:
 
 def avx512_bf16_ops(on: bool | None = None) -> bool:
     """Whether bf16 attention and elementwise ops (SiLU, RMSNorm, RoPE; in the fused layers also the adds and the
-    attention output's rounding) run their AVX512-BF16 code: the CPU has it and it is not turned off. `on` turns it on or off for the process (tests run both paths). The choice never depends
-    on the row count, so either way a token gets the same bits alone or in a block."""
+    attention output's rounding) run their AVX512-BF16 code: the CPU has it and it is not turned off. `on`
+    turns it on or off for the process (tests run both paths). The choice never depends on the row count, so
+    either way a token gets the same bits alone or in a block."""
     return bool(_ext("fp32").avx512_bf16(on))
 
 
@@ -253,8 +254,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of generated tokens in one call: x [B, T, heads, D] (a view whose rows are contiguous),
-    cos, sin [B, T, D] or [B, 1, T, D] -> contiguous [B, T, heads, D]; rounds where HF's `x * cos + rotate_half(x) * sin` does
-    (fp32: the same bits)."""
+    cos, sin [B, T, D] or [B, 1, T, D] -> contiguous [B, T, heads, D]; rounds where HF's
+    `x * cos + rotate_half(x) * sin` does (fp32: the same bits)."""
     return _ext("fp32").rope(x, cos, sin)
 
 

@@ -1,4 +1,7 @@
-// fp32 projections y = x @ w.T (+ b) and attention for CPU decoding on AVX2/FMA CPUs (drafthead/kernels/cpu_linear.py).
+// The fp32 CPU decode kernels (drafthead/kernels/cpu_linear.py), on AVX2/FMA CPUs with 16-lane AVX-512 paths where
+// the CPU has them: projections y = x @ w.T (+ b), the attention of generated tokens, RMSNorm, RoPE,
+// SiLU-and-multiply, argmax, and a whole decoder layer in one call (`DecodeLayer`); bf16 tokens take
+// AVX512-BF16 instructions where the CPU has them.
 //
 // Why: on CPUs without native bf16 the runtime decodes in fp32, and oneDNN's fp32 matmul at 1-16 rows streamed
 // SmolLM2's weights at 4.5-6.8 GB/s on a 2-core AVX2 EPYC that reads memory at ~22 GB/s, and changed kernels

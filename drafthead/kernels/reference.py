@@ -191,7 +191,9 @@ def rejection_sample_chain(
     return accept_len, sample_inverse_cdf(final_p, bonus_uniforms)
 
 
-def kv_compact(cache: torch.Tensor, src_idx: torch.Tensor, lengths: torch.Tensor, dst_start: torch.Tensor) -> torch.Tensor:
+def kv_compact(
+    cache: torch.Tensor, src_idx: torch.Tensor, lengths: torch.Tensor, dst_start: torch.Tensor
+) -> torch.Tensor:
     """Move K/V entries of the accepted path into a contiguous prefix, in place.
 
     For each b and j < lengths[b]: cache[b, :, dst_start[b] + j] = cache[b, :, src_idx[b, j]].

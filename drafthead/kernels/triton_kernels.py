@@ -253,7 +253,9 @@ def _kv_compact_kernel(
     tl.store(base + (dst + j)[:, None] * stride_s + d[None, :] * stride_d, rows, mask=m)
 
 
-def kv_compact(cache: torch.Tensor, src_idx: torch.Tensor, lengths: torch.Tensor, dst_start: torch.Tensor) -> torch.Tensor:
+def kv_compact(
+    cache: torch.Tensor, src_idx: torch.Tensor, lengths: torch.Tensor, dst_start: torch.Tensor
+) -> torch.Tensor:
     B, H, S, D = cache.shape
     L = src_idx.shape[1]
     if B * H * D == 0 or L == 0:
@@ -286,7 +288,8 @@ def compile_for_gpu(arch: int = 90) -> dict[str, int]:
 
     target = GPUTarget("cuda", arch, 32)
     signatures = {
-        "tree_mask": {"parents_ptr": "*i64", "num_nodes_ptr": "*i64", "mask_ptr": "*u8", "depth_ptr": "*i64", "N": "i32"},
+        "tree_mask": {"parents_ptr": "*i64", "num_nodes_ptr": "*i64", "mask_ptr": "*u8", "depth_ptr": "*i64",
+                      "N": "i32"},
         "greedy": {"tokens_ptr": "*i64", "parents_ptr": "*i64", "num_nodes_ptr": "*i64", "argmax_ptr": "*i64",
                    "accept_len_ptr": "*i64", "path_ptr": "*i64", "next_token_ptr": "*i64", "N": "i32"},
         "rejection": {"tokens_ptr": "*i64", "parents_ptr": "*i64", "num_nodes_ptr": "*i64", "target_probs_ptr": "*fp32",
@@ -298,7 +301,8 @@ def compile_for_gpu(arch: int = 90) -> dict[str, int]:
     variants = [  # (kernel, constexprs, num_warps) as the launchers above use them
         ("tree_mask", {"BLOCK_N": 64}, 1),
         *[("greedy", {"NODE_OFF": o}, 1) for o in (0, 1)],
-        *[("rejection", {"NODE_OFF": o, "HAS_DRAFT_PROBS": h, "BLOCK_V": 4096}, 8) for o in (0, 1) for h in (False, True)],
+        *[("rejection", {"NODE_OFF": o, "HAS_DRAFT_PROBS": h, "BLOCK_V": 4096}, 8)
+          for o in (0, 1) for h in (False, True)],
         ("rejection", {"NODE_OFF": 0, "HAS_DRAFT_PROBS": True, "BLOCK_V": 1024}, 4),
         ("kv_compact", {"BLOCK_L": 64, "BLOCK_D": 128}, 4),
     ]

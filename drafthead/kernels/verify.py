@@ -62,7 +62,9 @@ def _resolve(backend: str, device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ checks
-def _check_tensor(name: str, t: object, dtype: torch.dtype, shape: tuple[int | None, ...], device: torch.device) -> None:
+def _check_tensor(
+    name: str, t: object, dtype: torch.dtype, shape: tuple[int | None, ...], device: torch.device
+) -> None:
     """dtype / rank / sizes (None = any) / device; free, no host sync."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -165,10 +167,14 @@ def rejection_sample_tree(
         return _triton_kernels().rejection_sample(
             tokens, parents, num_nodes, target_probs, draft_probs, uniforms, bonus_uniforms
         )
-    return reference.rejection_sample_tree(tokens, parents, num_nodes, target_probs, draft_probs, uniforms, bonus_uniforms)
+    return reference.rejection_sample_tree(
+        tokens, parents, num_nodes, target_probs, draft_probs, uniforms, bonus_uniforms
+    )
 
 
-def chain_tree(batch: int, num_draft_tokens: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def chain_tree(
+    batch: int, num_draft_tokens: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(parents [B, K+1], num_nodes [B]) of a chain of K drafts behind the root: parents[i] = i - 1."""
     parents = torch.arange(-1, num_draft_tokens, device=device).expand(batch, -1).contiguous()
     return parents, torch.full((batch,), num_draft_tokens + 1, dtype=torch.long, device=device)
