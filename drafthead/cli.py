@@ -19,8 +19,14 @@ COMMANDS: dict[str, str] = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-V", "--version"):
+        from drafthead import __version__
+
+        print(f"drafthead {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(f"usage: drafthead <command> key=value ...\ncommands: {', '.join(sorted(COMMANDS))}")
+        print(f"usage: drafthead <command> key=value ... | drafthead --version\n"
+              f"commands: {', '.join(sorted(COMMANDS))}")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:

@@ -99,3 +99,12 @@ def test_cuda_without_triton_warns_once_and_uses_the_reference(monkeypatch: pyte
         assert verify._resolve("auto", cuda) == "torch"  # once a process
     with pytest.raises(RuntimeError, match="needs a working triton install"):
         verify._resolve("triton", cuda)
+
+
+def test_version_is_the_package_version(capsys) -> None:
+    import drafthead
+    from drafthead.cli import main
+
+    assert drafthead.__version__ == project()["version"]
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"drafthead {project()['version']}\n"
+    assert main(["--help"]) == 0 and "drafthead --version" in capsys.readouterr().out
