@@ -474,12 +474,19 @@ def memory_per_rank(target_params: int, target_dtype_bytes: int, tp: int, draft_
             "draft_gib": round(draft, 2), "total_gib": round(target + draft, 2)}
 
 
+def draft_params(drafter: torch.nn.Module) -> tuple[int, int]:
+    """(trainable parameters, bytes of the frozen ones) as the drafter holds them: its frozen copies of target
+    rows stay in the drafter's own dtype (fp32 when built), whatever the target's is."""
+    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)  # the families freeze their copies
+    frozen = sum(p.numel() * p.element_size() for p in drafter.parameters() if not p.requires_grad)
+    return trainable, frozen
+
+
 def memory_line(target: Any, drafter: torch.nn.Module, d: Any) -> str:
     """One line for the log: what this rank holds before activations."""
     tparams = sum(p.numel() for p in target.model.parameters())
     tbytes = next(target.model.parameters()).element_size()
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    frozen = sum(p.numel() * p.element_size() for p in drafter.parameters() if not p.requires_grad)
+    trainable, frozen = draft_params(drafter)
     m = memory_per_rank(tparams, tbytes, d.tp, trainable, frozen)
     split = f"1/{d.tp} of {m['target_whole_gib']:.1f}" if d.tp > 1 else "whole"
     return (f"memory per rank before activations: {m['total_gib']:.1f} GiB = target {m['target_gib']:.1f} GiB "
@@ -506,8 +513,7 @@ def dry_run(cfg: Any, log: Callable = print) -> dict[str, float]:
         vocab = options.draft_vocab_size if fam.reduced_vocab else None  # reduced-vocab families size it
         drafter = fam.model(fam.build(tcfg, options, cfg.capture.layer_ids, vocab and min(vocab, tcfg.vocab_size)))
     tparams = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)  # the families freeze their copies
-    frozen = sum(p.numel() * dtype.itemsize for p in drafter.parameters() if not p.requires_grad)
+    trainable, frozen = draft_params(drafter)  # built in fp32 on the meta device, as train.py builds it
     tp = cfg.target.tensor_parallel
     m = memory_per_rank(tparams, dtype.itemsize, tp, trainable, frozen)
     log(f"dry run: {cfg.target.name_or_path}, {tparams / 1e9:.1f}B params in {str(dtype).removeprefix('torch.')}, "
