@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.family import Family
+from drafthead.family import Family, OwnLayers
 from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
 
 
@@ -178,12 +178,11 @@ class DflashLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DflashDrafter(nn.Module):
+class DflashDrafter(OwnLayers, nn.Module):
     family = "dflash"
     features = "aux"  # the context entries read the fused target features
     draft_modes = ("block",)
     reads_target_head = True  # drafts through the target's own head (frozen, not saved)
-    shares_target_layers = False
 
     def __init__(self, c: DflashConfig) -> None:
         super().__init__()
@@ -226,12 +225,6 @@ class DflashDrafter(nn.Module):
             return [f"drafter.dflash.mask_token_id={m} occurs in {len(hits)} training sample(s) (first: {hits[0]}): "
                     f"choose a token id the data never holds"]
         return []
-
-    def target_tensors(self) -> tuple[str, ...]:
-        return ()  # the target's embedding and head (registry.NOT_SAVED)
-
-    def runtime_module(self) -> None:
-        return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
 
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> "BlockRunner":
         return BlockRunner(self, batch, capacity, device)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.family import Family
+from drafthead.family import Family, OwnLayers
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, one_call_layer, project,
                               rope_cos_sin, shift, soft_cross_entropy, take_rows, ttt_attention)
 from drafthead.vocab import target_to_draft
@@ -158,11 +158,9 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(OwnLayers, nn.Module):
     family = "eagle3"
     features = "aux"  # a prefix entry reads the fused aux features of the target
-    reads_target_head = False  # its own head over the draft vocabulary
-    shares_target_layers = False
     draft_modes = ("chain", "tree")
 
     def __init__(self, c: Eagle3Config) -> None:
@@ -180,15 +178,6 @@ class Eagle3Drafter(nn.Module):
     # ---- what the trainer/capture need to know -------------------------------------------------
     def capture_layer_ids(self) -> list[int]:
         return list(self.config.aux_layer_ids)
-
-    def check_data(self, samples: list[dict]) -> list[str]:
-        return []  # any token ids train
-
-    def target_tensors(self) -> tuple[str, ...]:
-        return ()  # the target's embedding is all it holds of the target (registry.NOT_SAVED)
-
-    def runtime_module(self) -> None:
-        return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
 
     def check_target(self, tcfg: Any) -> list[str]:
         """Mismatches with a target's HF config, as messages (none: the draft fits)."""

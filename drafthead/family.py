@@ -71,7 +71,8 @@ class Drafter(Protocol):
         `reads_target_head`: the drafter holds a frozen `target_lm_head` (filled from the target's head on
         load); `shares_target_layers`: it is built on the target's own layers, so loading needs the target
         model and calls `attach_target(target_model)`, which only such families define.
-    Every drafter defines all of these (tests/test_families.py checks it): the shared code never probes.
+    Every drafter class has all of these, most from `OwnLayers` below (tests/test_families.py checks it): the
+    shared code never probes.
     """
 
     family: str
@@ -93,6 +94,24 @@ class Drafter(Protocol):
     def runtime_module(self) -> nn.Module | None: ...
 
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any: ...
+
+
+class OwnLayers:
+    """The `Drafter` hooks' answers for a drafter that runs only its own layers and holds nothing of the target
+    beyond `registry.NOT_SAVED`, in one place: a family's class lists it before nn.Module and overrides what
+    differs (DFlash reads the target's head and checks its mask token; LoRA shares the target's layers)."""
+
+    reads_target_head = False
+    shares_target_layers = False
+
+    def check_data(self, samples: list[dict]) -> list[str]:
+        return []  # any token ids train
+
+    def target_tensors(self) -> tuple[str, ...]:
+        return ()  # the target's embedding (and head, where read) are registry.NOT_SAVED
+
+    def runtime_module(self) -> nn.Module | None:
+        return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
 
 
 DRAFTER_HOOKS = ("family", "config", "features", "draft_modes", "reads_target_head", "shares_target_layers",

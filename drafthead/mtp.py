@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.family import Family
+from drafthead.family import Family, OwnLayers
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, rope_cos_sin, shift,
                               soft_cross_entropy, take_rows, ttt_attention)
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
@@ -276,11 +276,10 @@ class MtpModule(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MtpDrafter(nn.Module):
+class MtpDrafter(OwnLayers, nn.Module):
     family = "mtp"
     features = "last"  # a prefix entry reads the target's last hidden state, not aux features
-    reads_target_head = False  # its shared head is saved with it (the export writes it back as the target's)
-    shares_target_layers = False
+    # reads_target_head stays False: its shared head is saved with it (the export writes it back as the target's)
 
     def __init__(self, c: MtpConfig) -> None:
         super().__init__()
@@ -308,15 +307,6 @@ class MtpDrafter(nn.Module):
     def draft_modes(self) -> tuple[str, ...]:
         """Trees need one module: with several, each tree level would need its module's own prefix cache."""
         return ("chain", "tree") if self.chain_modules == 1 else ("chain",)
-
-    def check_data(self, samples: list[dict]) -> list[str]:
-        return []  # any token ids train
-
-    def target_tensors(self) -> tuple[str, ...]:
-        return ()  # the target's embedding is all it takes back on load (registry.NOT_SAVED)
-
-    def runtime_module(self) -> None:
-        return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
 
     def check_target(self, tcfg: Any) -> list[str]:
         """Mismatches with a target's HF config, as messages (none: the draft fits)."""

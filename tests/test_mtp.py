@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
 
+from drafthead.family import OwnLayers
 from drafthead.layers import kv_cache
 from drafthead.layers import shift as _shift
 from drafthead.mtp import (FASTMTP_STEP_WEIGHTS, MtpConfig, MtpDrafter, MtpOptions, init_from_native,
@@ -550,21 +551,11 @@ def test_sampling_with_sequential_mtp_runs_and_respects_budget():
     assert all(0 <= a <= 3 for r in res for a in r.accept_lens)
 
 
-class OracleMtp(nn.Module):
+class OracleMtp(OwnLayers, nn.Module):
     """Predicts exactly what the target predicts. Speaks the MTP inference API: its "KV" entries hold the
     token x_{t+1} of each entry; prompts start with token 1, so the visible sequence is (1, x_1, ...)."""
 
     family, features, draft_modes = "mtp", "last", ("chain", "tree")  # the `Drafter` protocol
-    reads_target_head = shares_target_layers = False
-
-    def check_data(self, samples: list[dict]) -> list[str]:
-        return []
-
-    def target_tensors(self) -> tuple[str, ...]:
-        return ()
-
-    def runtime_module(self) -> None:
-        return None
 
     def capture_layer_ids(self) -> list[int]:
         return []

@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from drafthead import hardware
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
+from drafthead.family import OwnLayers
 from drafthead.layers import kv_cache
 from drafthead.kernels import cpu_linear
 from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
@@ -59,7 +60,7 @@ def random_drafter(target: Target, seed: int = 1, draft_vocab: int | None = None
     return d
 
 
-class OracleDrafter(nn.Module):
+class OracleDrafter(OwnLayers, nn.Module):
     """A drafter that predicts exactly what the target predicts (for always-accept checks).
 
     It speaks the `Eagle3Drafter` inference API. Its "KV" entries store (x_{t+1}, x_t or -1): x_t is read
@@ -68,16 +69,6 @@ class OracleDrafter(nn.Module):
     """
 
     family, features, draft_modes = "oracle", "aux", ("chain", "tree")  # the `Drafter` protocol
-    reads_target_head = shares_target_layers = False
-
-    def check_data(self, samples: list[dict]) -> list[str]:
-        return []
-
-    def target_tensors(self) -> tuple[str, ...]:
-        return ()
-
-    def runtime_module(self) -> None:
-        return None
 
     def capture_layer_ids(self) -> list[int]:
         return [0]
