@@ -280,7 +280,9 @@ def add_mfu(res: dict, env: dict, flops_per_micro: int | None) -> None:
     res["of_measured_matmul"] = round(achieved / (env["matmul_bf16_tflops"] * 1e12), 3)
 
 
-def section_train(name: str, recipe: str, overrides: list[str], ctx: dict) -> dict:
+def section_train(name: str, recipe: str, overrides: list[str], ctx: dict, flops_of: str | None = None) -> dict:
+    """Training micro-steps of a recipe on the big target; MFU from FLOPs counted here, or from the section
+    `flops_of` whose model math this run shares (an engine the counter should not run inside)."""
     from trainer.dist import Dist
 
     device, dry = ctx["device"], ctx["dry"]
@@ -289,39 +291,27 @@ def section_train(name: str, recipe: str, overrides: list[str], ctx: dict) -> di
     samples = random_samples(8, seq, target.config.vocab_size, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = train_config(recipe, [f"data.max_length={seq}", *overrides], Path(tmp))
-        d = Dist(device=device)
-        res = measure_training(cfg, target, samples, device, d, warm=1 if dry else 3, timed=2 if dry else 10,
-                               count_flops=True)
-    add_mfu(res, ctx["env"], res.get("flops_per_micro_step"))
-    ctx.setdefault("flops", {})[name] = res.get("flops_per_micro_step")
+        res = measure_training(cfg, target, samples, device, Dist(device=device), warm=1 if dry else 3,
+                               timed=2 if dry else 10, count_flops=flops_of is None)
+    flops = res.get("flops_per_micro_step") if flops_of is None else ctx.get("flops", {}).get(flops_of)
+    add_mfu(res, ctx["env"], flops)
+    ctx.setdefault("flops", {})[name] = flops
     return res
 
 
 def section_zero2(ctx: dict) -> dict:
-    try:
-        import deepspeed  # noqa: F401 - a named error here, not deep inside the engine
-    except ImportError as e:
-        raise ModuleNotFoundError(f"deepspeed is not importable ({e}); bring its wheel (--fetch-wheels)") from None
     import torch.distributed as dist
 
-    from trainer.dist import Dist
+    from drafthead.optional import require
 
-    device, dry = ctx["device"], ctx["dry"]
+    require("deepspeed", "the zero2 section (bring its wheel: --fetch-wheels)")  # named, before any setup
     if not dist.is_initialized():  # one rank, as torchrun would set it up (DeepSpeed reads these)
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                      ("MASTER_PORT", str(free_port()))):
             os.environ.setdefault(k, v)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
-    seq = 64 if dry else 2048
-    target = ctx["big"]
-    samples = random_samples(8, seq, target.config.vocab_size, seed=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = train_config("eagle3_qwen", [f"data.max_length={seq}", "train.deepspeed=zero2", *ctx["eagle3_over"]],
-                           Path(tmp))
-        res = measure_training(cfg, target, samples, device, Dist(device=device), warm=1 if dry else 3,
-                               timed=2 if dry else 10, count_flops=False)
-    add_mfu(res, ctx["env"], ctx.get("flops", {}).get("eagle3"))  # the same model math as the plain run
-    return res
+        dist.init_process_group("nccl" if ctx["device"].type == "cuda" else "gloo", rank=0, world_size=1)
+    return section_train("zero2", "eagle3_qwen", ["train.deepspeed=zero2", *ctx["eagle3_over"]], ctx,
+                         flops_of="eagle3")  # the same model math as the plain EAGLE3 run
 
 
 @torch.inference_mode()

@@ -80,25 +80,19 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    if d.world > 1:  # NCCL reduces only CUDA tensors: go through the rank's device
-        dev = t.device
+def all_reduce_sum(t: torch.Tensor, d: Dist, group: Any = None) -> torch.Tensor:
+    """Sum over every rank, or over `group` (a process group of this rank's)."""
+    if (d.world if group is None else dist.get_world_size(group)) > 1:
+        dev = t.device  # NCCL reduces only CUDA tensors: go through the rank's device
         t = t.to(d.device, copy=True)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=group)
         t = t.to(dev)
     return t
 
 
 def all_reduce_data(t: torch.Tensor, d: Dist) -> torch.Tensor:
     """Sum over the data-parallel ranks only: the ranks of a tp group hold the same batch, counted once."""
-    if d.tp == 1:
-        return all_reduce_sum(t, d)
-    if d.dp > 1:
-        dev = t.device
-        t = t.to(d.device, copy=True)
-        dist.all_reduce(t, group=d.dp_group)
-        t = t.to(dev)
-    return t
+    return all_reduce_sum(t, d, d.dp_group if d.tp > 1 else None)
 
 
 def tp_broadcast(obj: Any, d: Dist) -> Any:
