@@ -1,7 +1,7 @@
 """`drafthead <command> key=value ...`: thin entry points into the library, trainer and eval.
 
-Commands are "module:function" strings imported only when run, so `drafthead/` does not import
-`eval/` or `trainer/` (and a command's heavy imports do not slow down the others).
+Commands are "module:function" strings imported only when run, so the library's own modules do not import
+`drafthead.eval` or `drafthead.trainer` (and a command's heavy imports do not slow down the others).
 """
 from __future__ import annotations
 
@@ -10,11 +10,22 @@ import os
 import sys
 
 COMMANDS: dict[str, str] = {
-    "capture": "trainer.commands:capture",
-    "eval": "eval:main",
-    "bench": "eval.bench:main",
+    "train": "drafthead.trainer.run:cli",
+    "capture": "drafthead.trainer.commands:capture",
+    "eval": "drafthead.eval:main",
+    "bench": "drafthead.eval.bench:main",
     "export": "drafthead.export:main",
 }
+
+
+def key_values(argv: list[str], error: type[Exception] = ValueError) -> dict[str, str]:
+    """`key=value` arguments, in order (a key given twice: the last wins, as in OmegaConf's dotlist). The one
+    parser of every command's arguments (train, capture, eval, bench, export); an argument without a key and
+    '=' is an `error` naming it."""
+    bad = [a for a in argv if "=" not in a or a.startswith("=")]
+    if bad:
+        raise error(f"arguments must be key=value, got {bad}")
+    return dict(a.split("=", 1) for a in argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family, OwnLayers
-from drafthead.layers import RMSNorm, SwiGLU, apply_rope, rope_cos_sin, soft_cross_entropy
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, decoder_layer_shape, given, rope_cos_sin, soft_cross_entropy
+from drafthead.runtime.draft import NGRAM_STACK_FACTOR, ChainDraft, DraftMode, Proposal, chain_proposal
 
 
 @dataclass
@@ -103,25 +104,18 @@ class DflashConfig:
     @classmethod
     def from_target(cls, tcfg: Any, **overrides: Any) -> "DflashConfig":
         """Layers sized like the target's (z-lab does the same for its Qwen3 drafts)."""
-        heads = tcfg.num_attention_heads
-        rope = getattr(tcfg, "rope_parameters", None) or {}
-        kw = dict(
-            hidden_size=tcfg.hidden_size,
-            intermediate_size=tcfg.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-            vocab_size=tcfg.vocab_size,
-            target_num_layers=tcfg.num_hidden_layers,
-            rms_norm_eps=float(tcfg.rms_norm_eps),
-            rope_theta=float(rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))),
-            max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
-        )
-        kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**kw)
+        return cls(**decoder_layer_shape(tcfg), **given(overrides))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def mask_token_problem(mask_token_id: int, vocab_size: int) -> str | None:
+    """The one range check of the mask token (recipe, runtime target, export): it must be a row of the target's
+    embedding. That the data never holds it is `DflashDrafter.check_data`'s question."""
+    if not 0 <= mask_token_id < vocab_size:
+        return f"mask_token_id {mask_token_id} is not a row of the target's embedding (vocab_size={vocab_size})"
+    return None
 
 
 class DflashAttention(nn.Module):
@@ -181,7 +175,6 @@ class DflashLayer(nn.Module):
 class DflashDrafter(OwnLayers, nn.Module):
     family = "dflash"
     features = "aux"  # the context entries read the fused target features
-    draft_modes = ("block",)
     reads_target_head = True  # drafts through the target's own head (frozen, not saved)
 
     def __init__(self, c: DflashConfig) -> None:
@@ -212,9 +205,8 @@ class DflashDrafter(OwnLayers, nn.Module):
             problems.append(f"target layer ids {list(c.target_layer_ids)} (outputs of these layers) out of range "
                             f"for a target with {n} decoder layers (0..{n - 2}: the last layer's output is not "
                             f"captured)")
-        if not 0 <= c.mask_token_id < tcfg.vocab_size:
-            problems.append(f"mask_token_id {c.mask_token_id} is not a row of the target's embedding "
-                            f"(vocab_size={tcfg.vocab_size})")
+        if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
+            problems.append(bad_mask)
         return problems
 
     def check_data(self, samples: list[dict]) -> list[str]:
@@ -225,6 +217,11 @@ class DflashDrafter(OwnLayers, nn.Module):
             return [f"drafter.dflash.mask_token_id={m} occurs in {len(hits)} training sample(s) (first: {hits[0]}): "
                     f"choose a token id the data never holds"]
         return []
+
+    @property
+    def draft_modes(self) -> dict[str, DraftMode]:
+        """One mode: a block forward proposes every slot (BLOCK, below with its runner)."""
+        return {"block": BLOCK}
 
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> "BlockRunner":
         return BlockRunner(self, batch, capacity, device)
@@ -272,9 +269,6 @@ class DflashDrafter(OwnLayers, nn.Module):
         c = self.config
         Bk, dev = c.block_size, input_ids.device
         B, T = input_ids.shape
-        if bool((input_ids == c.mask_token_id).any()):
-            raise ValueError(f"mask token id {c.mask_token_id} occurs in the training data: it must be a token the "
-                             f"data never holds (drafter.dflash.mask_token_id)")
         gen = None if self.training else torch.Generator().manual_seed(0)  # held-out blocks: the same every eval
         anchors, valid = sample_anchors(loss_mask, Bk, c.num_anchors, gen)  # [B, A] each
         A = anchors.shape[1]
@@ -421,21 +415,39 @@ class BlockRunner:
 
     @torch.inference_mode()
     def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+              ) -> ChainDraft:
         """The first k (<= B-1) slots of one block forward. Greedy: argmax per slot; sampled: one draw per
         slot from its own distribution (slots are drafted independently, so q of slot j is the slot's
         distribution whatever was drawn before it, which is what rejection sampling needs).
-        Returns (drafts [B, k] target ids, q [B, k, V] | None)."""
+        Returns drafts [B, k] target ids and q [B, k, V] | None."""
         from drafthead.runtime.sampling import probs, sample
 
         logits = self.block_logits(roots)[:, :k]  # [B, k, V]
         if temperature == 0:
-            return logits.argmax(-1), None
+            return ChainDraft(logits.argmax(-1))
         q = probs(logits, temperature, top_p)  # [B, k, V]
         B = roots.shape[0]
         u = torch.rand(B, k, generator=gen, device=roots.device)
         drafts = torch.stack([sample(q[:, j], u[:, j]) for j in range(k)], dim=1)
-        return drafts, q
+        return ChainDraft(drafts, q)
+
+
+def propose_block(state: BlockRunner, roots: torch.Tensor, lengths: torch.Tensor, spec: Any,
+                  gen: torch.Generator | None) -> Proposal:
+    """Mode "block": one draft forward proposes every slot at once, verified as a chain."""
+    got = state.block(roots, int(lengths.max()), spec.temperature, spec.top_p, gen)
+    return chain_proposal(roots, got.drafts, lengths, got.q)
+
+
+def check_block(spec: Any, drafter: DflashDrafter) -> str | None:
+    if spec.num_draft_tokens > drafter.config.num_draft_tokens:
+        return (f"spec.num_draft_tokens={spec.num_draft_tokens}: a block of this draft has "
+                f"{drafter.config.num_draft_tokens} draft slots")
+    return None
+
+
+BLOCK = DraftMode(propose_block, lambda spec: spec.num_draft_tokens,
+                  lambda spec: NGRAM_STACK_FACTOR * spec.num_draft_tokens, check_block)
 
 
 # ---- the family record ------------------------------------------------------------------------------
@@ -452,9 +464,8 @@ def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_
                                  mask_token_id=options.mask_token_id, target_layer_ids=ids,
                                  intermediate_size=options.intermediate_size, num_anchors=options.num_anchors,
                                  loss_decay_gamma=gamma, labels=options.labels)
-    if not 0 <= c.mask_token_id < tcfg.vocab_size:
-        raise ValueError(f"drafter.dflash.mask_token_id: {c.mask_token_id} is not a row of the target's embedding "
-                         f"(vocab_size={tcfg.vocab_size})")
+    if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
+        raise ValueError(f"drafter.dflash.{bad_mask.replace('mask_token_id ', 'mask_token_id: ', 1)}")
     bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:
         raise ValueError(f"drafter.dflash.target_layer_ids: {bad} out of range (outputs of layers 0..{n - 2} of "

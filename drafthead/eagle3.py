@@ -21,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family, OwnLayers
-from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, one_call_layer, project,
-                              rope_cos_sin, shift, soft_cross_entropy, take_rows, ttt_attention)
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, decoder_layer_shape, given, kv_cache,
+                              one_call_layer, project, rope_cos_sin, shift, soft_cross_entropy, take_rows,
+                              ttt_attention)
+from drafthead.runtime.draft import CHAIN, TREE
 from drafthead.vocab import target_to_draft
 
 
@@ -86,25 +88,10 @@ class Eagle3Config:
                     **overrides: Any) -> "Eagle3Config":
         """Size the draft like one decoder layer of the target (the EAGLE3 recipe)."""
         n = tcfg.num_hidden_layers
-        heads = tcfg.num_attention_heads
-        rope = getattr(tcfg, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))
-        kw = dict(
-            hidden_size=tcfg.hidden_size,
-            intermediate_size=tcfg.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
-            vocab_size=tcfg.vocab_size,
-            draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size),
-            target_hidden_size=tcfg.hidden_size,
-            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else cls.default_aux_layer_ids(n),
-            target_num_layers=n,
-            rms_norm_eps=float(tcfg.rms_norm_eps),
-            rope_theta=float(theta),
-            max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
-        )
-        kw.update({k: v for k, v in overrides.items() if v is not None})
+        kw = dict(decoder_layer_shape(tcfg), draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size),
+                  target_hidden_size=tcfg.hidden_size,
+                  aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else cls.default_aux_layer_ids(n))
+        kw.update(given(overrides))
         return cls(**kw)
 
     def to_dict(self) -> dict:
@@ -161,7 +148,7 @@ class Eagle3Layer(nn.Module):
 class Eagle3Drafter(OwnLayers, nn.Module):
     family = "eagle3"
     features = "aux"  # a prefix entry reads the fused aux features of the target
-    draft_modes = ("chain", "tree")
+    draft_modes = {"chain": CHAIN, "tree": TREE}
 
     def __init__(self, c: Eagle3Config) -> None:
         super().__init__()

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # the runtime's mode entries; family.py stays free of the runtime at run time
+    from drafthead.runtime.draft import DraftMode
 
 
 @dataclass(frozen=True)
@@ -56,10 +59,11 @@ class Drafter(Protocol):
         hidden state (after its final norm) is always captured, the teacher distribution comes from it.
     Runtime (drafthead/runtime):
         `features` "aux" (the captured layers) or "last" (the last hidden state): what a draft prefix entry
-        reads; `draft_modes` the proposal shapes it supports ("chain", "tree", "block"); `check_target(tcfg)`
+        reads; `draft_modes` its table of proposal shapes, name -> `runtime.draft.DraftMode` (the first is its
+        default; CHAIN and TREE are shared, a family adds its own, as DFlash adds BLOCK); `check_target(tcfg)`
         the mismatches with a target, as messages; `draft_state(batch, capacity, device)` a fresh drafting
-        state (extend / select, and chain / tree / block for its modes: drafthead/runtime/draft.py,
-        `BlockRunner` in drafthead/dflash.py).
+        state (extend / select, and chain / tree / block for its modes; chain and block return a
+        `runtime.draft.ChainDraft`: drafthead/runtime/draft.py, `BlockRunner` in drafthead/dflash.py).
         `runtime_module()` what the runtime drafts with: a module of the family's own (a LoRA self-draft's
         merged adapters), or None for a copy of the drafter with its linears packed for the CPU kernels.
         The draft state's `bind(model, session)` hands it the target's runtime model and the session (a
@@ -78,7 +82,7 @@ class Drafter(Protocol):
     family: str
     config: Any
     features: str
-    draft_modes: tuple[str, ...]
+    draft_modes: dict[str, DraftMode]
     reads_target_head: bool
     shares_target_layers: bool
     embed_tokens: nn.Embedding

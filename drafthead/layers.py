@@ -6,11 +6,37 @@ from a target layer, and the files we export, line up with what SGLang / vLLM / 
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from drafthead.kernels import cpu_linear
+
+
+def decoder_layer_shape(tcfg: Any) -> dict[str, Any]:
+    """One decoder layer of the target, as the families size their own layers from it (EAGLE3, MTP and DFlash
+    all draft with layers shaped like the target's): widths, heads, vocab, norm epsilon, RoPE base, context."""
+    heads = tcfg.num_attention_heads
+    rope = getattr(tcfg, "rope_parameters", None) or {}
+    return dict(
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(tcfg, "num_key_value_heads", heads) or heads,
+        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads,
+        vocab_size=tcfg.vocab_size,
+        target_num_layers=tcfg.num_hidden_layers,
+        rms_norm_eps=float(tcfg.rms_norm_eps),
+        rope_theta=float(rope.get("rope_theta", getattr(tcfg, "rope_theta", 10000.0))),
+        max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 2048)),
+    )
+
+
+def given(overrides: dict[str, Any]) -> dict[str, Any]:
+    """The overrides a recipe set (None: keep the value sized from the target)."""
+    return {k: v for k, v in overrides.items() if v is not None}
 
 
 class RMSNorm(nn.Module):
@@ -45,8 +71,8 @@ def softmax_floored(x: torch.Tensor) -> torch.Tensor:
 
 class _SoftCrossEntropy(torch.autograd.Function):
     """Per-row soft-label cross-entropy with a hand-written backward (softmax(logits) - p), so the [M, N]
-    rows are walked a few times instead of through log_softmax, mul and their autograd copies: on the
-    default recipe's CPU step this part went from ~130 to ~80 ms per TTT step (measured)."""
+    rows are walked a few times instead of through log_softmax, mul and their autograd copies (the loss is a
+    large share of a CPU training step: docs/experiment_log.md, "Figures behind code choices")."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -106,10 +132,10 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     """cos/sin tables for integer positions [B, T] -> ([B, 1, T, D], [B, 1, T, D]) (HF 'default' rope), fp32.
 
     On CPU, rows of a table kept per (head_dim, theta) and doubled when a position passes its end: a draft step
-    then indexes two rows instead of running ~10 operators (~80 us of a ~0.8 ms bf16 SmolLM2 draft step on a
-    2-core AVX512-BF16 EPYC). The table holds what the formula gives for each position: every element is
-    computed on its own, by the same operators. Elsewhere (CUDA training) the formula runs directly: sizing a
-    table would read the largest position back to the host every call."""
+    then indexes two rows instead of running ~10 operators (a tenth of a small draft step on CPU). The table
+    holds what the formula gives for each position: every element is computed on its own, by the same operators.
+    Elsewhere (CUDA training) the formula runs directly: sizing a table would read the largest position back to
+    the host every call."""
     if positions.device.type != "cpu":
         cos, sin = _rope_rows(positions.float(), head_dim, theta)  # [B, T, D] each
         return cos[:, None], sin[:, None]
@@ -219,8 +245,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     q [B, h, T, D], k/v [B, kvh, S, D], mask bool [B or 1, 1, T, S] (True = may attend) -> [B, h, T, D], q's dtype.
     On CPU, outside autograd, this is the decode kernel's attention (`cpu_linear.attention_fp32`, fp32 math):
-    SDPA over K/V expanded per head made a SmolLM2 EAGLE3 draft step 1.33 ms against 0.95 ms with the kernel
-    (2-core AVX512-BF16 EPYC, bf16). Elsewhere (CUDA, training, no kernel) it is SDPA with enable_gqa.
+    SDPA over K/V expanded per head copies K/V per query head and made a draft step a third slower
+    (docs/experiment_log.md, "Figures behind code choices"). Elsewhere (CUDA, training, no kernel) it is SDPA
+    with enable_gqa.
     """
     B, _, T, D = q.shape
     if (q.device.type == "cpu" and D % 8 == 0 and q.dtype in (torch.float32, torch.bfloat16)

@@ -27,6 +27,7 @@ from torch import nn
 
 from drafthead.family import Family
 from drafthead.layers import apply_rope, shift, soft_cross_entropy, ttt_attention
+from drafthead.runtime.draft import CHAIN, ChainDraft
 
 ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # model_type -> transformers class prefix
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -150,7 +151,7 @@ class LoraDrafter(nn.Module):
 
     family = "lora"
     features = "aux"  # the input of layer E, which the verify forward captures
-    draft_modes = ("chain",)
+    draft_modes = {"chain": CHAIN}
     reads_target_head = True
     shares_target_layers = True  # its first layers are the target's: loading calls `attach_target`
 
@@ -433,10 +434,10 @@ class SelfDraftRunner:
 
     @torch.inference_mode()
     def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+              ) -> ChainDraft:
         """k draft steps from the session's roots: each runs the target's layers < E on the target's cache
-        (past its verified length) and the exit block. Returns (drafts [B, k], q [B, k, V] | None, lengths
-        [B]: drafts each request keeps, k unless the confidence stop cut it)."""
+        (past its verified length) and the exit block. Returns drafts [B, k], q [B, k, V] | None, and the
+        lengths [B] each request keeps (k unless the confidence stop cut it)."""
         from drafthead.runtime.sampling import probs, sample
 
         m, s, d = self.model, self.session, self.drafter
@@ -475,7 +476,7 @@ class SelfDraftRunner:
                     drafts = drafts[:, : max(j, 1)]
                     break
         q = None if qs is None else torch.stack(qs, 1)[:, : drafts.shape[1]]  # [B, k, V]
-        return drafts, q, lengths.clamp(max=drafts.shape[1])
+        return ChainDraft(drafts, q, lengths.clamp(max=drafts.shape[1]))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -43,9 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family, OwnLayers
-from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, kv_cache, rope_cos_sin, shift,
-                              soft_cross_entropy, take_rows, ttt_attention)
+from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, decoder_layer_shape, given, kv_cache,
+                              rope_cos_sin, shift, soft_cross_entropy, take_rows, ttt_attention)
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
+from drafthead.runtime.draft import CHAIN, TREE, DraftMode
 
 FASTMTP_STEP_WEIGHTS = [0.51, 0.31, 0.18]  # TencentBAC/FastMTP mtp_loss_step_weights for K = 3
 ATTENTION_MODES = ("causal", "chain")
@@ -139,23 +140,12 @@ class MtpConfig:
         act = getattr(t, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"MTP block uses a SwiGLU MLP; the target's hidden_act is {act!r}")
-        heads = t.num_attention_heads
         rope = getattr(t, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(t, "rope_theta", 10000.0))
         partial = rope.get("partial_rotary_factor", getattr(t, "partial_rotary_factor", 1.0)) or 1.0
         mt = getattr(t, "model_type", "")
         qwen_next = mt in QWEN_NEXT_TYPES
         kw = dict(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(t, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(t, "head_dim", None) or t.hidden_size // heads,
-            vocab_size=t.vocab_size,
-            target_num_layers=t.num_hidden_layers,
-            rms_norm_eps=float(t.rms_norm_eps),
-            rope_theta=float(theta),
-            max_position_embeddings=int(getattr(t, "max_position_embeddings", 2048)),
+            decoder_layer_shape(t),
             partial_rotary_factor=float(partial),
             attention_bias=bool(getattr(t, "attention_bias", False)) or mt == "qwen2",
             qk_norm=mt.startswith("qwen3") or bool(getattr(t, "use_qk_norm", False)),
@@ -163,7 +153,7 @@ class MtpConfig:
             norm_unit_offset=qwen_next,
             native_layers=native_mtp_layers(t),
         )
-        kw.update({k: v for k, v in overrides.items() if v is not None})
+        kw.update(given(overrides))
         return cls(**kw)
 
     def to_dict(self) -> dict:
@@ -304,9 +294,9 @@ class MtpDrafter(OwnLayers, nn.Module):
         return len(self.layers)
 
     @property
-    def draft_modes(self) -> tuple[str, ...]:
+    def draft_modes(self) -> dict[str, DraftMode]:
         """Trees need one module: with several, each tree level would need its module's own prefix cache."""
-        return ("chain", "tree") if self.chain_modules == 1 else ("chain",)
+        return {"chain": CHAIN, "tree": TREE} if self.chain_modules == 1 else {"chain": CHAIN}
 
     def check_target(self, tcfg: Any) -> list[str]:
         """Mismatches with a target's HF config, as messages (none: the draft fits)."""

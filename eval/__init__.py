@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from drafthead.hardware import check_dtype
-from drafthead.runtime.generate import DRAFTER_MODES, MODES  # the runtime's modes are the eval's
-from eval.acceptance import generate_runs, warmup
-from eval.datasets import DATASETS, load_eval_dataset
-from eval.report import build_report, machine_info, write_report
+from drafthead.runtime.generate import OWN_MODES  # the others are the drafter's (its `draft_modes` table)
+from drafthead.eval.acceptance import generate_runs, warmup
+from drafthead.eval.datasets import DATASETS, load_eval_dataset
+from drafthead.eval.report import build_report, machine_info, write_report
 
 NONE_WORDS = ("none", "None", "null", "")
 
@@ -63,11 +63,10 @@ def parse_kv(cls: type, argv: list[str]) -> Any:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    bad = [a for a in argv if "=" not in a]
-    if bad:
-        raise ValueError(f"arguments are key=value pairs, got {bad}")
+    from drafthead.cli import key_values
+
+    pairs = key_values(argv)
     known = {f.name for f in dataclasses.fields(cls)}
-    pairs = dict(a.split("=", 1) for a in argv)
     unknown = sorted(set(pairs) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {unknown}; valid: {sorted(known)}")
@@ -83,11 +82,11 @@ def parse_kv(cls: type, argv: list[str]) -> Any:
 
 
 def resolve_mode(cfg: EvalConfig, has_draft: bool | None = None) -> str:
+    """The runtime's own modes (ar, ngram) run without a draft; any other is the drafter's (its `draft_modes`
+    table, which the runtime checks once the draft is loaded: an unknown name is an error naming its modes)."""
     has_draft = bool(cfg.draft) if has_draft is None else has_draft
     mode = cfg.mode or ("chain" if has_draft else "ngram")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
-    if mode in DRAFTER_MODES and not has_draft:
+    if mode not in OWN_MODES and not has_draft:
         raise ValueError(f"mode={mode} needs a trained draft (draft=<run_dir>/final); with draft=none use "
                          f"mode=ngram or mode=ar")
     return mode
@@ -176,7 +175,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                                                     cfg.allow_target_mismatch)
         target_check = target_check or ("same target as the draft's (fingerprint)" if drafter is not None else None)
     if cfg.mode is None and drafter is not None:
-        mode = drafter.draft_modes[0]
+        mode = next(iter(drafter.draft_modes))  # the drafter's default mode
     if generator is None:
         from drafthead.runtime import SpeculativeGenerator
         generator = SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)

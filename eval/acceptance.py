@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from eval.datasets import EvalSample, chat_prompt
+from drafthead.eval.datasets import EvalSample, chat_prompt
 
 
 @dataclass

@@ -24,9 +24,9 @@ import torch
 from tqdm.auto import tqdm
 
 from drafthead.io import atomic_write_json
-from eval import check_dtype, load_models, parse_kv, resolve_device
-from eval.datasets import DATASETS, chat_prompt, load_eval_dataset
-from eval.report import machine_info
+from drafthead.eval import check_dtype, load_models, parse_kv, resolve_device
+from drafthead.eval.datasets import DATASETS, chat_prompt, load_eval_dataset
+from drafthead.eval.report import machine_info
 
 
 @dataclass
@@ -189,12 +189,11 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
     same prefix and nothing needs rolling back.
     read_mib > 0: a sum over a `read_mib` MiB tensor takes its turn in every round too, and the second value is the
     read bandwidth it measured (median and range, bytes/s). The bound then divides by a bandwidth read in the same
-    minutes as the forwards it is compared with: one reading apart from them moved 48 -> 71 GB/s between two
-    runs five minutes apart on a shared 2-core VM, while the forward held at 6.3-6.5 ms. An untimed forward follows
-    each sum: the sum evicts the KV cache and the small tensors that a forward (its weights prefetched
-    non-temporally) leaves cached, and in decoding a forward follows a forward, never such a read. Timed straight
-    after the sum, a bf16 SmolLM2 forward of 1 / 8 tokens took 6.72 / 7.97 ms against 5.86-6.15 / 7.13 after a
-    forward (AVX512-BF16 Zen 5 EPYC).
+    minutes as the forwards it is compared with: on a shared VM a reading taken apart from them can move by half
+    while the forward holds still. An untimed forward follows each sum: the sum evicts the KV cache and the small
+    tensors that a forward (its weights prefetched non-temporally) leaves cached, and in decoding a forward
+    follows a forward, never such a read (a forward timed straight after the sum reads ~10% slow). Figures:
+    docs/experiment_log.md, "Figures behind code choices".
     """
     cache = target_model.new_cache(1, len(prefix) + max(sizes))
     lens = torch.zeros(1, dtype=torch.long, device=device)

@@ -16,7 +16,7 @@ import torch
 
 from drafthead import hardware
 from drafthead.io import atomic_write_bytes, atomic_write_json
-from eval.acceptance import Generation, acceptance_rate_by_position, by_category, compare_outputs, summarize
+from drafthead.eval.acceptance import Generation, acceptance_rate_by_position, by_category, compare_outputs, summarize
 
 DEFINITIONS = {
     "acceptance_length": "tau = generated tokens / target verify forwards, bonus token included: a round that "

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from drafthead import hardware  # noqa: E402
 from drafthead.kernels import cpu_linear  # noqa: E402
-from eval.bench import read_bandwidth  # noqa: E402
+from drafthead.eval.bench import read_bandwidth  # noqa: E402
 
 DEFAULTS = dict(rows=[1, 2, 4, 8, 16], layers=30, hidden=576, kv=192, ffn=1536, repeats=7, threads=None)
 

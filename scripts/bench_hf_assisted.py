@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from drafthead import hardware
 from drafthead.export import export
 from drafthead.target import load_target
-from eval.datasets import load_mt_bench
+from drafthead.eval.datasets import load_mt_bench
 
 DEFAULTS = dict(draft=None, target=None, max_prompts=8, max_new_tokens=128, num_assistant_tokens=[2, 4],
                 dtype="float32", threads=None)

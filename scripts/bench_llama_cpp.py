@@ -107,14 +107,14 @@ def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], th
 
         import torch
         from drafthead.runtime import SpecConfig, SpeculativeGenerator
-        from eval import load_models
+        from drafthead.eval import load_models
     except Exception as e:  # the runtime is optional here
         return f"unavailable: {type(e).__name__}: {e}"
     torch.set_num_threads(threads)
     target, drafter, _ = load_models(draft, None, None, "cpu")
     gen = SpeculativeGenerator(target, drafter, device="cpu")
     ids = [target.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-    mode = drafter.draft_modes[0]
+    mode = next(iter(drafter.draft_modes))
     out: dict = {"mode": mode}
     for key, spec in [("ar", SpecConfig(mode="ar", temperature=0.0))] + \
             [(k, SpecConfig(mode=mode, num_draft_tokens=k, temperature=0.0, draft_stop_prob=p_min)) for k in ks]:

@@ -21,9 +21,9 @@ import torch
 from drafthead.hardware import cpu_capability, cpu_class, resolve_dtype_name
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
-from eval import load_models
-from eval.bench import hf_method, runtime_method
-from eval.datasets import chat_prompt, load_eval_dataset
+from drafthead.eval import load_models
+from drafthead.eval.bench import hf_method, runtime_method
+from drafthead.eval.datasets import chat_prompt, load_eval_dataset
 
 
 def main() -> None:

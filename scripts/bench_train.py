@@ -22,10 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from drafthead.hardware import cpu_capability, cpu_class, resolve_dtype_name  # noqa: E402
 from drafthead.target import load_target  # noqa: E402
-from trainer import engine as L  # noqa: E402
-from trainer.capture import collate, features_for_batch  # noqa: E402
-from trainer.config import parse_or_exit  # noqa: E402
-from trainer.prepare import build_draft, feature_dtype, prepare_samples  # noqa: E402
+from drafthead.trainer.dist import Dist  # noqa: E402
+from drafthead.trainer.engines import TorchEngine  # noqa: E402
+from drafthead.trainer.memory import retain_freed_memory  # noqa: E402
+from drafthead.trainer.step import forward_backward  # noqa: E402
+from drafthead.trainer.capture import collate, features_for_batch  # noqa: E402
+from drafthead.trainer.config import parse_or_exit  # noqa: E402
+from drafthead.trainer.prepare import build_draft, feature_dtype, prepare_samples  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -37,13 +40,13 @@ def main(argv: list[str]) -> None:
         else:
             rest.append(a)
     cfg = parse_or_exit(rest + ["data.max_samples=" + str(max(400, 8 * n_batches * 4))])
-    L.retain_freed_memory()  # as train.py does
-    d = L.Dist()
+    retain_freed_memory()  # as train.py does
+    d = Dist()
     target = load_target(cfg.target.name_or_path, cfg.target.gguf_file, cfg.target.dtype)
     prep = prepare_samples(cfg, target, d, Path("/tmp"), log=lambda *a: None)
     ds = build_draft(cfg, target, prep.train, d.device, log=lambda *a: None)
     drafter, head, d2t = ds.drafter, ds.head, ds.d2t
-    engine = L.TorchEngine(drafter, cfg, 1000, d)
+    engine = TorchEngine(drafter, cfg, 1000, d)
     fdt = feature_dtype(cfg.capture.dtype)
     layer_ids = drafter.capture_layer_ids()
     bs = cfg.train.batch_size
@@ -68,7 +71,7 @@ def main(argv: list[str]) -> None:
         feats[id(b)] = features_for_batch(target, b, layer_ids, fdt, argmax=d2t is not None)  # what capture stores
 
     def train_step(fb):
-        L.forward_backward(engine, fb, head, cfg.train.dtype, d.device)
+        forward_backward(engine, fb, head, cfg.train.dtype, d.device)
         engine.step()
 
     # two rounds, best of each: the first thing timed on this CPU ran ~25% slow whatever it was (frequency /

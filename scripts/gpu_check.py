@@ -168,7 +168,8 @@ def section_env(device: torch.device, dry: bool) -> dict:
     for _ in range(reps):
         a @ b
     sync(device)
-    out["matmul_bf16_tflops"] = round(2 * n**3 * reps / (time.perf_counter() - t0) / 1e12, 1)
+    # 4 significant digits: a small CPU matmul in --dry is well under 0.1 TFLOP/s, and the ratio below divides by it
+    out["matmul_bf16_tflops"] = float(f"{2 * n**3 * reps / (time.perf_counter() - t0) / 1e12:.4g}")
     return out
 
 
@@ -193,7 +194,7 @@ def section_kernels(device: torch.device, dry: bool) -> dict:
 
 
 def train_config(recipe: str, overrides: list[str], run_dir: Path):
-    from trainer.config import load_config
+    from drafthead.trainer.config import load_config
 
     return load_config([f"recipe={recipe}", f"output_dir={run_dir}", "logging.wandb=false", "budget.minutes=null",
                         "train.deepspeed=null", *overrides])
@@ -202,20 +203,21 @@ def train_config(recipe: str, overrides: list[str], run_dir: Path):
 def measure_training(cfg, target, samples: list[dict], device: torch.device, d, warm: int, timed: int,
                      count_flops: bool) -> dict:
     """Micro-steps exactly as train.py runs them (online capture in the step); tokens/s over the timed ones."""
-    from trainer import engine as L
-    from trainer.prepare import build_draft, feature_dtype
+    from drafthead.trainer.engines import build_engine
+    from drafthead.trainer.step import forward_backward, make_batch
+    from drafthead.trainer.prepare import build_draft, feature_dtype
     from drafthead.registry import family
 
     fam = family(cfg.drafter.family)
     ds = build_draft(cfg, target, samples, device, log=lambda *a: None)
     drafter, head = ds.drafter, ds.head
-    engine = L.build_engine(drafter, cfg, 1000, d)
+    engine = build_engine(drafter, cfg, 1000, d)
     layer_ids = drafter.capture_layer_ids()
     fdt = feature_dtype(cfg.capture.dtype)
 
     def micro(i: int) -> dict:
-        batch = L.make_batch([samples[i % len(samples)]], target, layer_ids, fdt, False, device, fam.reduced_vocab)
-        out = L.forward_backward(engine, batch, head, cfg.train.dtype, device)
+        batch = make_batch([samples[i % len(samples)]], target, layer_ids, fdt, False, device, fam.reduced_vocab)
+        out = forward_backward(engine, batch, head, cfg.train.dtype, device)
         engine.step()
         return out
 
@@ -277,13 +279,14 @@ def add_mfu(res: dict, env: dict, flops_per_micro: int | None) -> None:
     res["achieved_tflops"] = round(achieved / 1e12, 1)
     if env.get("bf16_peak_tflops"):
         res["mfu"] = round(achieved / (env["bf16_peak_tflops"] * 1e12), 3)
-    res["of_measured_matmul"] = round(achieved / (env["matmul_bf16_tflops"] * 1e12), 3)
+    if env.get("matmul_bf16_tflops"):
+        res["of_measured_matmul"] = round(achieved / (env["matmul_bf16_tflops"] * 1e12), 3)
 
 
 def section_train(name: str, recipe: str, overrides: list[str], ctx: dict, flops_of: str | None = None) -> dict:
     """Training micro-steps of a recipe on the big target; MFU from FLOPs counted here, or from the section
     `flops_of` whose model math this run shares (an engine the counter should not run inside)."""
-    from trainer.dist import Dist
+    from drafthead.trainer.dist import Dist
 
     device, dry = ctx["device"], ctx["dry"]
     seq = 64 if dry else 2048
@@ -385,7 +388,7 @@ def section_runtime(ctx: dict) -> dict:
     """Greedy speculative decoding is lossless on the device: every mode's tokens equal our AR loop's and HF's
     greedy tokens (fp64, so no near-tie argmax flips from summation order), then the verify-cost curve."""
     from drafthead.runtime import SpecConfig, SpeculativeGenerator
-    from trainer.prepare import build_draft
+    from drafthead.trainer.prepare import build_draft
 
     device, dry = ctx["device"], ctx["dry"]
     small = random_target(TINY if dry else SMALL, torch.float64, device, seed=3, head_scale=8.0)

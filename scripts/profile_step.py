@@ -29,7 +29,7 @@ from drafthead import hardware
 from drafthead.kernels import cpu_linear
 from drafthead.runtime import TargetModel
 from drafthead.target import load_target
-from eval.bench import bandwidth_bound
+from drafthead.eval.bench import bandwidth_bound
 
 DEFAULTS = dict(target="smollm2-135m-instruct", dtype="auto", weights=None, rows=[1, 8], prefix=256, repeats=20,
                 threads=None, top=0, fused=False)  # top=N: also list the N operators with the most self time

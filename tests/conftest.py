@@ -15,7 +15,7 @@ import torch
 # the only way the kernels run, so switch it on before any test module can import triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# train.py keeps freed memory in the heap (trainer.engine.retain_freed_memory); in the long-lived pytest
+# train.py keeps freed memory in the heap (drafthead.trainer.memory.retain_freed_memory); in the long-lived pytest
 # process that would pin every test's peak, so it is off here and tested in a subprocess of its own.
 os.environ.setdefault("DRAFTHEAD_MALLOC_RETAIN", "0")
 

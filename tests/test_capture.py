@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import trainer.capture as C
+from drafthead.trainer import capture
 from drafthead.target import TargetHead, lm_head_weight, load_target
-from trainer import data as D
-from trainer.engine import teacher_targets
-from trainer.capture import CaptureError, ShardedFeatures, capture_offline, collate, features_for_batch
+from drafthead.trainer import data as tdata
+from drafthead.trainer.step import teacher_targets
+from drafthead.trainer.capture import CaptureError, ShardedFeatures, capture_offline, collate, features_for_batch
 
 LAYERS = [1, 2, 3]
 
@@ -32,8 +32,8 @@ def qwen3(tiny_qwen3_dir):
 def samples(llama, tiny_sharegpt, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:  # the datasets cache of the JSON file goes to tmp
         mp.setenv("DRAFTHEAD_CACHE", str(tmp_path_factory.mktemp("cache")))
-        convs, _ = D.load_conversations(str(tiny_sharegpt))
-    out, _ = D.tokenize_conversations(llama.tokenizer, convs, max_length=128)  # no cache_key: nothing written
+        convs, _ = tdata.load_conversations(str(tiny_sharegpt))
+    out, _ = tdata.tokenize_conversations(llama.tokenizer, convs, max_length=128)  # no cache_key: nothing written
     assert len(out) == 40 and any(len(s["input_ids"]) == 128 for s in out)
     return out
 
@@ -134,7 +134,7 @@ def test_offline_capture_resumes_after_kill(llama, samples, tmp_path, monkeypatc
     ref = capture_offline(llama, samples, ref_dir, LAYERS, torch.bfloat16, shard_samples=8, batch_tokens=1,
                           progress=False)
 
-    real, calls = C.capture, {"n": 0}
+    real, calls = capture.capture, {"n": 0}
 
     def dying_capture(*a, **k):  # the target forward dies mid-way through the second shard
         calls["n"] += 1
@@ -142,7 +142,7 @@ def test_offline_capture_resumes_after_kill(llama, samples, tmp_path, monkeypatc
             raise KeyboardInterrupt("killed")
         return real(*a, **k)
 
-    monkeypatch.setattr(C, "capture", dying_capture)
+    monkeypatch.setattr(capture, "capture", dying_capture)
     with pytest.raises(KeyboardInterrupt):
         capture_offline(llama, samples, dir_, LAYERS, torch.bfloat16, shard_samples=8, batch_tokens=1,
                         progress=False)
@@ -153,7 +153,7 @@ def test_offline_capture_resumes_after_kill(llama, samples, tmp_path, monkeypatc
     # a write killed half-way leaves a temp file behind
     (dir_ / ".shard_00001.safetensors.tmp-w").write_bytes(b"half a shard")
 
-    monkeypatch.setattr(C, "capture", real)
+    monkeypatch.setattr(capture, "capture", real)
     calls["n"] = 0
     counted = {"n": 0}
 
@@ -161,7 +161,7 @@ def test_offline_capture_resumes_after_kill(llama, samples, tmp_path, monkeypatc
         counted["n"] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(C, "capture", counting)
+    monkeypatch.setattr(capture, "capture", counting)
     m2 = capture_offline(llama, samples, dir_, LAYERS, torch.bfloat16, shard_samples=8, batch_tokens=1,
                          progress=False)
     assert counted["n"] == 24 - 8  # only the missing samples were captured again
@@ -269,7 +269,7 @@ def test_stored_argmax_is_the_targets_where_the_next_token_is_supervised(llama, 
         n_sup += int(need.sum())
     assert n_sup > 100
     # collate_features pads the stored argmax with -1, like the positions it does not cover
-    b = C.collate_features([feats[0], feats[1]], pad)
+    b = capture.collate_features([feats[0], feats[1]], pad)
     n0 = feats.lengths[0]
     assert b["argmax"].shape == b["input_ids"].shape
     assert (b["argmax"][0, n0:] == -1).all() and torch.equal(b["argmax"][0, :n0], feats[0]["argmax"].long())

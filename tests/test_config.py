@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import RECIPES_DIR, ConfigError, RunConfig, load_config, parse_or_exit, to_yaml
+from drafthead.trainer.config import RECIPES_DIR, ConfigError, RunConfig, load_config, parse_or_exit, to_yaml
 
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
@@ -21,7 +21,7 @@ def test_every_recipe_loads_and_validates(name):
     assert cfg.drafter.family == ("eagle3" if name == "default" else name.split("_")[0])  # recipes: FAMILY_TARGET
     assert cfg.data.num_holdout > 0 and cfg.train.lr > 0
     if cfg.train.deepspeed:  # the named DeepSpeed config exists
-        from trainer.engine import resolve_deepspeed_config
+        from drafthead.trainer.engines import resolve_deepspeed_config
 
         assert resolve_deepspeed_config(cfg.train.deepspeed)["zero_optimization"]["stage"] in (1, 2, 3)
 

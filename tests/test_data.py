@@ -11,8 +11,8 @@ import torch
 
 from drafthead.runtime.generate import SpeculativeGenerator
 
-from trainer import data as D
-from trainer.data import Conversation
+from drafthead.trainer import data as tdata
+from drafthead.trainer.data import Conversation
 
 TEMPLATES = Path(__file__).parent / "assets" / "chat_templates"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
@@ -70,7 +70,7 @@ EOT = {"smollm2_chatml": "<|im_end|>", "llama3": "<|eot_id|>", "llama3_1": "<|eo
 @pytest.mark.parametrize("messages", [SINGLE, MULTI], ids=["single", "multi"])
 def test_mask_is_exactly_assistant_content_plus_eot(name, messages):
     tok = tiny_tokenizer(name)
-    ids, mask = D.render_and_mask(tok, messages)
+    ids, mask = tdata.render_and_mask(tok, messages)
     want = "".join(m["content"] + EOT[name] for m in messages if m["role"] == "assistant")
     assert masked_text(tok, ids, mask) == want
     assert ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
@@ -78,7 +78,7 @@ def test_mask_is_exactly_assistant_content_plus_eot(name, messages):
 
 def test_mask_chat_template_argument_overrides_tokenizer():
     tok = tiny_tokenizer("smollm2_chatml")
-    ids, mask = D.render_and_mask(tok, MULTI, chat_template=template("llama3"))
+    ids, mask = tdata.render_and_mask(tok, MULTI, chat_template=template("llama3"))
     assert masked_text(tok, ids, mask) == "Hello, how are you?<|eot_id|>The sea,\nthe sea.\n\nIt is blue.<|eot_id|>"
     assert tok.decode(ids[:1]) == "<|begin_of_text|>"
 
@@ -91,13 +91,13 @@ def test_mask_qwen3_thinking(enable_thinking):
             {"role": "assistant", "content": "<think>\nearlier reasoning\n</think>\n\nHello, how are you?"},
             {"role": "user", "content": "What is 2+2?"},
             {"role": "assistant", "content": "<think>Let me think.</think>The answer is 4."}]
-    ids, mask = D.render_and_mask(tok, msgs, enable_thinking=enable_thinking)
+    ids, mask = tdata.render_and_mask(tok, msgs, enable_thinking=enable_thinking)
     text = tok.decode(ids)
     assert "earlier reasoning" not in text  # the template stripped it, so it cannot be masked
     assert masked_text(tok, ids, mask) == ("Hello, how are you?<|im_end|>"
                                            "<think>\nLet me think.\n</think>\n\nThe answer is 4.<|im_end|>")
     # no reasoning: the final turn still renders an empty think block, which is not the model's answer
-    ids, mask = D.render_and_mask(tok, SINGLE, enable_thinking=enable_thinking)
+    ids, mask = tdata.render_and_mask(tok, SINGLE, enable_thinking=enable_thinking)
     assert "<think>\n\n</think>\n\nParis is the capital.<|im_end|>" in tok.decode(ids)
     assert masked_text(tok, ids, mask) == "Paris is the capital.<|im_end|>"
 
@@ -107,7 +107,7 @@ def test_mask_ignores_look_alikes_before_the_answer():
     tok = tiny_tokenizer("smollm2_chatml")
     msgs = [{"role": "user", "content": "Say 'Paris' or 'assistant'"}, {"role": "assistant", "content": "assistant"},
             {"role": "user", "content": "Paris"}, {"role": "assistant", "content": "Paris"}]
-    ids, mask = D.render_and_mask(tok, msgs)
+    ids, mask = tdata.render_and_mask(tok, msgs)
     assert masked_text(tok, ids, mask) == "assistant<|im_end|>Paris<|im_end|>"
     text = tok.apply_chat_template(msgs, tokenize=False)
     first = mask.index(1)
@@ -130,7 +130,7 @@ def test_load_sharegpt_and_openai_formats(tmp_path):
                                        {"role": "assistant", "content": "ok"}]}]
     p_json = tmp_path / "sg.json"
     p_json.write_text(json.dumps(sharegpt))
-    convs, stats = D.load_conversations(str(p_json))
+    convs, stats = tdata.load_conversations(str(p_json))
     assert [c.id for c in convs] == ["a", "b"]
     assert convs[0].messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     # consecutive assistant messages are merged with a blank line
@@ -138,12 +138,12 @@ def test_load_sharegpt_and_openai_formats(tmp_path):
                                  {"role": "assistant", "content": "A1\n\nA2"}]
     assert stats.summary("sg") == "sg: kept 2 of 2 conversations; skipped: none"
 
-    convs, _ = D.load_conversations(str(write_jsonl_rows(tmp_path / "oa.jsonl", openai)))
+    convs, _ = tdata.load_conversations(str(write_jsonl_rows(tmp_path / "oa.jsonl", openai)))
     assert [c.id for c in convs] == ["oa-0", "x"]  # missing id -> <file stem>-<row>
     assert convs[1].messages[0] == {"role": "user", "content": "parts"}
 
     # both formats in one file, detected per row
-    convs, stats = D.load_conversations(str(write_jsonl_rows(tmp_path / "mixed.jsonl", sharegpt + openai)))
+    convs, stats = tdata.load_conversations(str(write_jsonl_rows(tmp_path / "mixed.jsonl", sharegpt + openai)))
     assert [c.id for c in convs] == ["a", "b", "mixed-2", "x"] and stats.kept == 4
 
 
@@ -152,10 +152,10 @@ def test_load_drops_leading_assistant_and_dedups_ids(tmp_path):
                                           {"from": "gpt", "value": "A"}]},
             {"id": "d", "conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]},
             {"id": "d", "conversations": [{"from": "human", "value": "Q3"}, {"from": "gpt", "value": "A3"}]}]
-    convs, _ = D.load_conversations(str(write_jsonl_rows(tmp_path / "d.jsonl", rows)))
+    convs, _ = tdata.load_conversations(str(write_jsonl_rows(tmp_path / "d.jsonl", rows)))
     assert convs[0].messages == [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
     assert [c.id for c in convs] == ["d", "d#1", "d#2"]
-    convs, stats = D.load_conversations(str(tmp_path / "d.jsonl"), max_samples=2)
+    convs, stats = tdata.load_conversations(str(tmp_path / "d.jsonl"), max_samples=2)
     assert [c.id for c in convs] == ["d", "d#1"] and stats.total_in == 2
 
 
@@ -170,7 +170,7 @@ def test_every_bad_row_kind_is_counted(tmp_path):
             {"id": "u1", "conversations": [{"from": "human", "value": "Q"}, {"from": "bing", "value": "A"}]},
             {"id": "m1", "messages": "not a list"},  # malformed record
             [1, 2]]  # not an object
-    convs, stats = D.load_conversations(str(write_jsonl_rows(tmp_path / "bad.jsonl", rows)))
+    convs, stats = tdata.load_conversations(str(write_jsonl_rows(tmp_path / "bad.jsonl", rows)))
     assert [c.id for c in convs] == ["ok"]
     assert stats.counts == {"malformed json": 3, "empty conversation": 2, "no assistant turn": 2, "unknown role": 1}
     assert stats.summary("bad.jsonl") == ("bad.jsonl: kept 1 of 9 conversations; skipped: 3 malformed json, "
@@ -183,12 +183,12 @@ def test_nothing_usable_raises_with_summary(tmp_path):
     p = write_jsonl_rows(tmp_path / "none.jsonl", ['{"oops', {"conversations": [{"from": "human", "value": "Q"}]}])
     with pytest.raises(ValueError, match=r"none\.jsonl' has no usable conversations \(.*kept 0 of 2 conversations; "
                                          r"skipped: 1 malformed json, 1 no assistant turn\)"):
-        D.load_conversations(str(p))
+        tdata.load_conversations(str(p))
     with pytest.raises(FileNotFoundError, match="no such file"):
-        D.load_conversations(str(tmp_path / "missing.jsonl"))
+        tdata.load_conversations(str(tmp_path / "missing.jsonl"))
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(ValueError, match=r"expected a \.json"):
-        D.load_conversations(str(tmp_path / "x.csv"))
+        tdata.load_conversations(str(tmp_path / "x.csv"))
 
 
 def test_cut_off_json_is_stream_parsed_and_cached(tmp_path, capsys):
@@ -198,7 +198,7 @@ def test_cut_off_json_is_stream_parsed_and_cached(tmp_path, capsys):
     cut = text.index('"A3"') + 2  # mid-record, inside a string
     p = tmp_path / "cut.json"
     p.write_text(text[:cut])
-    convs, stats = D.load_conversations(str(p))
+    convs, stats = tdata.load_conversations(str(p))
     assert [c.id for c in convs] == ["c0", "c1", "c2"] and convs[2].messages[0]["content"] == "Q2 \u00e9"
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "cut.json is truncated" in out[0] and "recovered 3 complete conversations" in out[0]
@@ -206,7 +206,7 @@ def test_cut_off_json_is_stream_parsed_and_cached(tmp_path, capsys):
     clean = list((tmp_path / "cache" / "recovered").glob("cut-*.jsonl"))
     assert len(clean) == 1 and len(clean[0].read_text().splitlines()) == 3
     # second call: the cached clean JSONL (fast path), same result, same single line
-    convs2, stats2 = D.load_conversations(str(p))
+    convs2, stats2 = tdata.load_conversations(str(p))
     assert convs2 == convs and stats2 == stats
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "recovered 3 complete conversations (using clean copy" in out[0]
@@ -216,26 +216,26 @@ def test_invalid_json_array_is_an_error(tmp_path):
     p = tmp_path / "bad.json"
     p.write_text('[{"id": "a", "conversations": []}, {"id": oops}]')
     with pytest.raises(ValueError, match=r"bad\.json is not valid JSON"):
-        D.load_conversations(str(p))
+        tdata.load_conversations(str(p))
 
 
 # ----------------------------------------------------------------------------- split
 
 def test_split_holdout_deterministic_and_disjoint():
     convs = [Conversation(f"id{i}", [{"role": "user", "content": str(i)}]) for i in range(50)]
-    train, hold = D.split_holdout(convs, 10, seed=0)
+    train, hold = tdata.split_holdout(convs, 10, seed=0)
     assert len(train) == 40 and len(hold) == 10
     assert {c.id for c in train}.isdisjoint({c.id for c in hold})
     assert {c.id for c in train} | {c.id for c in hold} == {c.id for c in convs}
     assert [c.id for c in train] == sorted((c.id for c in train), key=lambda s: int(s[2:]))  # input order kept
-    train2, hold2 = D.split_holdout(list(convs), 10, seed=0)
+    train2, hold2 = tdata.split_holdout(list(convs), 10, seed=0)
     assert [c.id for c in hold2] == [c.id for c in hold] and [c.id for c in train2] == [c.id for c in train]
-    assert [c.id for c in D.split_holdout(convs, 10, seed=1)[1]] != [c.id for c in hold]
+    assert [c.id for c in tdata.split_holdout(convs, 10, seed=1)[1]] != [c.id for c in hold]
     # chosen by id, not by position: the same set when the input order changes
-    assert {c.id for c in D.split_holdout(convs[::-1], 10, seed=0)[1]} == {c.id for c in hold}
-    assert D.split_holdout(convs, 0, seed=0) == (convs, [])
+    assert {c.id for c in tdata.split_holdout(convs[::-1], 10, seed=0)[1]} == {c.id for c in hold}
+    assert tdata.split_holdout(convs, 0, seed=0) == (convs, [])
     with pytest.raises(ValueError, match="num_holdout=50 must be in 0..49"):
-        D.split_holdout(convs, 50, seed=0)
+        tdata.split_holdout(convs, 50, seed=0)
 
 
 # ----------------------------------------------------------------------------- tokenize
@@ -246,45 +246,46 @@ def convs_for_tokenize() -> list[Conversation]:
 
 def test_tokenize_samples_match_render_and_mask():
     tok = tiny_tokenizer("llama3")
-    samples, stats = D.tokenize_conversations(tok, convs_for_tokenize(), max_length=4096)
+    samples, stats = tdata.tokenize_conversations(tok, convs_for_tokenize(), max_length=4096)
     assert [s["id"] for s in samples] == ["single", "multi"]
     for s, c in zip(samples, convs_for_tokenize()):
-        assert (s["input_ids"], s["loss_mask"]) == D.render_and_mask(tok, c.messages)
+        assert (s["input_ids"], s["loss_mask"]) == tdata.render_and_mask(tok, c.messages)
     assert stats.summary("tokenize") == "tokenize: kept 2 of 2 conversations; skipped: none"
 
 
 def test_tokenize_truncate_skip_and_bad_rows():
     tok = tiny_tokenizer("smollm2_chatml")
-    full, _ = D.tokenize_conversations(tok, [Conversation("multi", MULTI)], max_length=4096)
+    full, _ = tdata.tokenize_conversations(tok, [Conversation("multi", MULTI)], max_length=4096)
     n = len(full[0]["input_ids"])
     first_masked = full[0]["loss_mask"].index(1)
     # truncate: a prefix, counted
-    samples, stats = D.tokenize_conversations(tok, [Conversation("multi", MULTI)], max_length=n - 3)
+    samples, stats = tdata.tokenize_conversations(tok, [Conversation("multi", MULTI)], max_length=n - 3)
     assert samples[0]["input_ids"] == full[0]["input_ids"][: n - 3]
     assert samples[0]["loss_mask"] == full[0]["loss_mask"][: n - 3]
     assert stats.truncated == 1
     assert stats.summary("t") == "t: kept 1 of 1 conversations; skipped: none; truncated to max_length: 1"
     # skip mode
     convs = [Conversation("multi", MULTI), Conversation("single", SINGLE)]
-    lens = {c.id: len(D.render_and_mask(tok, c.messages)[0]) for c in convs}
+    lens = {c.id: len(tdata.render_and_mask(tok, c.messages)[0]) for c in convs}
     shorter = min(lens, key=lens.get)
-    samples, stats = D.tokenize_conversations(tok, convs, max_length=lens[shorter], overlong="skip")
+    samples, stats = tdata.tokenize_conversations(tok, convs, max_length=lens[shorter], overlong="skip")
     assert [s["id"] for s in samples] == [shorter] and stats.counts == {"longer than max_length": 1}
     # truncation that leaves no assistant token, and a template that never shows the answer
     hides = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | upper + '<|im_end|>' }}"
              "{% endfor %}")
     early = Conversation("early", [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
                                    {"role": "assistant", "content": "Paris"}])
-    assert D.render_and_mask(tok, early.messages)[1].index(1) < first_masked
-    samples, stats = D.tokenize_conversations(tok, [convs[0], early], max_length=first_masked)
+    assert tdata.render_and_mask(tok, early.messages)[1].index(1) < first_masked
+    samples, stats = tdata.tokenize_conversations(tok, [convs[0], early], max_length=first_masked)
     assert stats.counts == {"all tokens masked": 1} and [s["id"] for s in samples] == ["early"]
     assert stats.truncated == 0  # a skipped sample is not also counted as truncated
     with pytest.raises(ValueError, match=r"no usable conversations after tokenizing \(tokenize: kept 0 of 2 "
                                          r"conversations; skipped: 2 assistant content not found in template\)"):
-        D.tokenize_conversations(tok, convs, max_length=4096, chat_template=hides)
-    assert D.tokenize_conversations(tok, [], max_length=64, cache_key="k") == ([], D.SkipStats())  # num_holdout=0
+        tdata.tokenize_conversations(tok, convs, max_length=4096, chat_template=hides)
+    # num_holdout=0
+    assert tdata.tokenize_conversations(tok, [], max_length=64, cache_key="k") == ([], tdata.SkipStats())
     with pytest.raises(ValueError, match="overlong must be"):
-        D.tokenize_conversations(tok, convs, max_length=10, overlong="drop")
+        tdata.tokenize_conversations(tok, convs, max_length=10, overlong="drop")
 
 
 def test_tokenize_skip_summary_line():
@@ -297,7 +298,7 @@ def test_tokenize_skip_summary_line():
     convs = [Conversation("ok", SINGLE), Conversation("hidden", [{"role": "user", "content": "Q"},
                                                                  {"role": "assistant", "content": "hidden"}]),
              Conversation("late", late_answer), Conversation("long", long_answer)]
-    samples, stats = D.tokenize_conversations(tok, convs, max_length=40, chat_template=upper_q)
+    samples, stats = tdata.tokenize_conversations(tok, convs, max_length=40, chat_template=upper_q)
     assert [s["id"] for s in samples] == ["ok", "long"] and all(len(s["input_ids"]) <= 40 for s in samples)
     assert stats.summary("tokenize") == ("tokenize: kept 2 of 4 conversations; skipped: 1 all tokens masked, "
                                          "1 assistant content not found in template; truncated to max_length: 1")
@@ -306,7 +307,7 @@ def test_tokenize_skip_summary_line():
 def test_tokenize_cache_roundtrip(tmp_path, monkeypatch):
     tok = tiny_tokenizer("qwen3")
     convs = convs_for_tokenize()
-    samples, stats = D.tokenize_conversations(tok, convs, max_length=30, cache_key="tiny")
+    samples, stats = tdata.tokenize_conversations(tok, convs, max_length=30, cache_key="tiny")
     files = list((tmp_path / "cache" / "tokenized").glob("*.npz"))
     assert len(files) == 1 and not list((tmp_path / "cache" / "tokenized").glob(".*tmp*"))
 
@@ -314,14 +315,14 @@ def test_tokenize_cache_roundtrip(tmp_path, monkeypatch):
         raise AssertionError("cache hit expected")
 
     with monkeypatch.context() as m:
-        m.setattr(D, "_render", no_render)
-        again, stats2 = D.tokenize_conversations(tok, convs, max_length=30, cache_key="tiny")
+        m.setattr(tdata, "_render", no_render)
+        again, stats2 = tdata.tokenize_conversations(tok, convs, max_length=30, cache_key="tiny")
     assert again == samples and stats2 == stats
     # a change of content under the same ids (regenerated data) or of max_length is a new entry
     changed = [Conversation("single", [SINGLE[0], {"role": "assistant", "content": "Lyon"}]), convs[1]]
-    new, _ = D.tokenize_conversations(tok, changed, max_length=30, cache_key="tiny")
+    new, _ = tdata.tokenize_conversations(tok, changed, max_length=30, cache_key="tiny")
     assert masked_text(tok, new[0]["input_ids"], new[0]["loss_mask"]) == "Lyon<|im_end|>"
-    D.tokenize_conversations(tok, convs, max_length=31, cache_key="tiny")
+    tdata.tokenize_conversations(tok, convs, max_length=31, cache_key="tiny")
     assert len(list((tmp_path / "cache" / "tokenized").glob("*.npz"))) == 3
 
 
@@ -329,12 +330,12 @@ def test_tokenize_cache_roundtrip(tmp_path, monkeypatch):
 
 def test_write_read_jsonl_roundtrip(tmp_path):
     convs = [Conversation("a", SINGLE), Conversation("b\u00e9", MULTI)]
-    D.write_jsonl(convs, tmp_path / "c.jsonl")
-    assert D.read_jsonl(tmp_path / "c.jsonl") == convs
-    assert D.load_conversations(str(tmp_path / "c.jsonl"))[0] == convs  # our output is a valid source
+    tdata.write_jsonl(convs, tmp_path / "c.jsonl")
+    assert tdata.read_jsonl(tmp_path / "c.jsonl") == convs
+    assert tdata.load_conversations(str(tmp_path / "c.jsonl"))[0] == convs  # our output is a valid source
     (tmp_path / "c.jsonl").write_text('{"id": "a", "messages": []}\n{"id": \n')
     with pytest.raises(ValueError, match="line 2 is not a conversation record"):
-        D.read_jsonl(tmp_path / "c.jsonl")
+        tdata.read_jsonl(tmp_path / "c.jsonl")
 
 
 def tiny_target():
@@ -350,6 +351,11 @@ def tiny_target():
     return freeze(Target(LlamaForCausalLM(cfg).eval(), tok, "tiny"))
 
 
+def two_turns(batch_size: int) -> "tdata.AnswerOptions":
+    """Six new tokens a turn, two turns: short answers to compare batchings and paths."""
+    return tdata.AnswerOptions(max_new_tokens=6, batch_size=batch_size, max_turns=2)
+
+
 def regen_convs() -> list[Conversation]:
     out = []
     for i in range(7):
@@ -363,8 +369,8 @@ def regen_convs() -> list[Conversation]:
 
 def test_regenerate_left_padding_matches_unbatched(tmp_path):
     target, convs = tiny_target(), regen_convs()
-    a = D.regenerate(target, convs, str(tmp_path / "a.jsonl"), max_new_tokens=6, batch_size=4, max_turns=2)
-    b = D.regenerate(target, convs, str(tmp_path / "b.jsonl"), max_new_tokens=6, batch_size=1, max_turns=2)
+    a = tdata.regenerate(target, convs, str(tmp_path / "a.jsonl"), two_turns(4))
+    b = tdata.regenerate(target, convs, str(tmp_path / "b.jsonl"), two_turns(1))
     assert a == b and [c.id for c in a] == [c.id for c in convs]
     for src, new in zip(convs, a):
         users = [m for m in src.messages if m["role"] == "user"][:2]
@@ -376,7 +382,7 @@ def test_regenerate_left_padding_matches_unbatched(tmp_path):
 
 def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, capsys):
     target, convs = tiny_target(), regen_convs()
-    ref = D.regenerate(target, convs, str(tmp_path / "ref.jsonl"), max_new_tokens=6, batch_size=2, max_turns=2)
+    ref = tdata.regenerate(target, convs, str(tmp_path / "ref.jsonl"), two_turns(2))
     ref_by_id = {c.id: c for c in ref}
 
     # kill 1: the run dies inside the third generate call (2nd batch): only batch 1 is on disk
@@ -391,8 +397,8 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(SpeculativeGenerator, "generate", dying_generate)
     with pytest.raises(KeyboardInterrupt):
-        D.regenerate(target, convs, str(out), max_new_tokens=6, batch_size=2, max_turns=2)
-    first = D.read_jsonl(out)
+        tdata.regenerate(target, convs, str(out), two_turns(2))
+    first = tdata.read_jsonl(out)
     assert len(first) == 2
 
     # kill 2: a half-written line at the end
@@ -400,7 +406,7 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
         f.write(json.dumps({"id": convs[-1].id, "messages": ref_by_id[convs[-1].id].messages}).encode()[:25])
     monkeypatch.setattr(SpeculativeGenerator, "generate", real_generate)
     capsys.readouterr()
-    got = D.regenerate(target, convs, str(out), max_new_tokens=6, batch_size=2, max_turns=2)
+    got = tdata.regenerate(target, convs, str(out), two_turns(2))
     assert "dropped a partial last line" in capsys.readouterr().out
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in lines) == sorted(c.id for c in convs)  # nothing lost, nothing twice
@@ -409,17 +415,17 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
 
     # a finished file: nothing left to generate
     monkeypatch.setattr(SpeculativeGenerator, "generate", lambda *a, **k: pytest.fail("nothing should be generated"))
-    assert D.regenerate(target, convs, str(out), max_new_tokens=6, batch_size=2, max_turns=2) == ref
+    assert tdata.regenerate(target, convs, str(out), two_turns(2)) == ref
 
 
 def test_regenerate_runtime_matches_hf_generate(tmp_path, monkeypatch):
     """Regeneration runs on drafthead's batched loop when the architecture allows; greedy answers are the
     ones HF `generate` gives (the fallback for other architectures)."""
     target, convs = tiny_target(), regen_convs()
-    ours = D.regenerate(target, convs, str(tmp_path / "ours.jsonl"), max_new_tokens=6, batch_size=3, max_turns=2)
-    monkeypatch.setattr(D, "_ar_runtime", lambda *a: None)
+    ours = tdata.regenerate(target, convs, str(tmp_path / "ours.jsonl"), two_turns(3))
+    monkeypatch.setattr(tdata, "_ar_runtime", lambda *a: None)
     monkeypatch.setattr(SpeculativeGenerator, "generate", lambda *a, **k: pytest.fail("HF path expected"))
-    hf = D.regenerate(target, convs, str(tmp_path / "hf.jsonl"), max_new_tokens=6, batch_size=3, max_turns=2)
+    hf = tdata.regenerate(target, convs, str(tmp_path / "hf.jsonl"), two_turns(3))
     assert ours == hf and len(ours) == len(convs)
 
 
@@ -427,7 +433,7 @@ def test_regenerate_runtime_matches_hf_generate(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_real_sharegpt_recovered(capsys):
-    convs, stats = D.load_conversations("sharegpt")
+    convs, stats = tdata.load_conversations("sharegpt")
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "is truncated" in out[0] and "recovered" in out[0]
     recovered = int(out[0].split("recovered ")[1].split()[0])
@@ -442,11 +448,11 @@ def test_tokenize_template_errors_are_named():
     tok = tiny_tokenizer()
     tok.chat_template = None
     with pytest.raises(ValueError, match="has no chat template; pass chat_template="):
-        D.tokenize_conversations(tok, convs_for_tokenize(), max_length=64)
+        tdata.tokenize_conversations(tok, convs_for_tokenize(), max_length=64)
     strict = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role') }}"
               "{% endif %}{% endfor %}")
     with pytest.raises(ValueError, match="conversation 'multi': the chat template failed: no system role"):
-        D.tokenize_conversations(tok, convs_for_tokenize(), max_length=64, chat_template=strict)
+        tdata.tokenize_conversations(tok, convs_for_tokenize(), max_length=64, chat_template=strict)
 
 
 @pytest.mark.slow
@@ -465,7 +471,7 @@ def test_real_smollm2_tokenizer_masks():
     assert (tok.chat_template, tok.eos_token, tok.pad_token, len(tok)) == (ref.chat_template, ref.eos_token,
                                                                           ref.pad_token, len(ref))
     for messages in (SINGLE, MULTI):
-        ids, mask = D.render_and_mask(tok, messages)
+        ids, mask = tdata.render_and_mask(tok, messages)
         assert masked_text(tok, ids, mask) == "".join(m["content"] + "<|im_end|>"
                                                       for m in messages if m["role"] == "assistant")
     # the same real vocab under the Llama-3 and Qwen3 templates (their special tokens added)
@@ -475,7 +481,7 @@ def test_real_smollm2_tokenizer_masks():
     tok.bos_token = "<|begin_of_text|>"
     for name in ("llama3", "llama3_1", "qwen3"):
         for messages in (SINGLE, MULTI):
-            ids, mask = D.render_and_mask(tok, messages, chat_template=template(name))
+            ids, mask = tdata.render_and_mask(tok, messages, chat_template=template(name))
             assert masked_text(tok, ids, mask) == "".join(m["content"] + EOT[name]
                                                           for m in messages if m["role"] == "assistant")
 
@@ -487,12 +493,12 @@ def test_regenerate_skips_and_counts_long_prompts(tmp_path, capsys):
     tok = target.tokenizer
     first = [[m for m in c.messages[:1] if m["role"] == "system"] + [m for m in c.messages if m["role"] == "user"][:1]
              for c in convs]
-    lens = [len(tok(D._render(tok, msgs, None, None,
+    lens = [len(tok(tdata._render(tok, msgs, None, None,
                               add_generation_prompt=True), add_special_tokens=False)["input_ids"]) for msgs in first]
     limit = sorted(lens)[len(lens) // 2]
     capsys.readouterr()
-    got = D.regenerate(target, convs, str(tmp_path / "r.jsonl"), max_new_tokens=4, batch_size=2,
-                       max_prompt_tokens=limit)
+    got = tdata.regenerate(target, convs, str(tmp_path / "r.jsonl"),
+                           tdata.AnswerOptions(max_new_tokens=4, batch_size=2, max_prompt_tokens=limit))
     kept = [c.id for c, n in zip(convs, lens) if n <= limit]
     assert [c.id for c in got] == kept and 0 < len(kept) < len(convs)
     assert f"{len(convs) - len(kept)} conversations keep their original answers" in capsys.readouterr().out

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from drafthead import hardware
-from eval import EvalConfig, parse_kv, validate
-from eval.acceptance import (Generation, acceptance_length, acceptance_rate_by_position, compare_outputs,
+from drafthead.eval import EvalConfig, parse_kv, validate
+from drafthead.eval.acceptance import (Generation, acceptance_length, acceptance_rate_by_position, compare_outputs,
                              generate_runs, generate_samples, mean_accepted)
-from eval.datasets import (HUMANEVAL_INSTRUCTION, EvalSample, chat_prompt, heldout_path, load_eval_dataset,
+from drafthead.eval.datasets import (HUMANEVAL_INSTRUCTION, EvalSample, chat_prompt, heldout_path, load_eval_dataset,
                            load_humaneval, load_mt_bench, load_sharegpt)
-from eval.report import build_report, write_report
+from drafthead.eval.report import build_report, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def test_bad_dataset_and_sizes_are_errors_naming_the_problem(tmp_path):
         validate(EvalConfig(**base, max_prompts=-1))
     with pytest.raises(ValueError, match="unknown dtype 'fp8'; valid: auto, float32, bfloat16"):
         validate(EvalConfig(**base, dtype="fp8"))
-    from eval.bench import BenchConfig, validate as validate_bench
+    from drafthead.eval.bench import BenchConfig, validate as validate_bench
     with pytest.raises(ValueError, match="unknown dtype 'half'"):
         validate_bench(BenchConfig(target="t", dtype="half"))
     with pytest.raises(ValueError, match="tree_nodes must be > 0, got 0"):
@@ -322,7 +322,7 @@ def tiny_target_and_draft():
 
 @pytest.mark.parametrize("mode", ["chain", "tree", "ngram"])
 def test_run_eval_tiny_model_is_lossless_and_writes_the_report(tmp_path, mode):
-    from eval import run_eval
+    from drafthead.eval import run_eval
 
     torch.set_num_threads(1)
     target, drafter = tiny_target_and_draft()
@@ -347,7 +347,7 @@ def test_run_eval_tiny_model_is_lossless_and_writes_the_report(tmp_path, mode):
 
 
 def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
-    from eval.bench import BenchConfig, run_bench
+    from drafthead.eval.bench import BenchConfig, run_bench
 
     torch.set_num_threads(1)
     target, drafter = tiny_target_and_draft()
@@ -458,7 +458,7 @@ def test_drafthead_eval_on_smollm2_with_a_random_draft(smollm2_draft, tmp_path):
 
 @pytest.mark.slow
 def test_bench_on_smollm2_matches_hf_generate(smollm2_draft, tmp_path):
-    from eval.bench import BenchConfig, run_bench
+    from drafthead.eval.bench import BenchConfig, run_bench
     from drafthead.registry import load_draft
     from drafthead.target import load_target
 
@@ -494,7 +494,7 @@ def test_bench_speedup_script_runs_interleaved_and_checks_losslessness(smollm2_d
 def test_verify_cost_curve_settles_the_caches_after_each_bandwidth_read():
     """The sum that reads the bandwidth evicts what a forward leaves cached; the forward timed after it would pay
     for that. An untimed forward of the first size must follow every sum, and the sums' readings come back."""
-    from eval.bench import verify_cost_curve
+    from drafthead.eval.bench import verify_cost_curve
 
     class Recorder:
         def __init__(self):

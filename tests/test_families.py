@@ -17,12 +17,14 @@ import torch
 from drafthead.export import ExportError, export
 from drafthead.family import resolve
 from drafthead.registry import FAMILIES, NOT_SAVED, draft_state_dict, load_draft, save_draft
+from drafthead.runtime.draft import DraftMode
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
-from trainer import engine as L
-from trainer.config import load_config
-from trainer.dist import Dist
-from trainer.prepare import build_draft
+from drafthead.trainer.engines import TorchEngine
+from drafthead.trainer.step import forward_backward, make_batch
+from drafthead.trainer.config import load_config
+from drafthead.trainer.dist import Dist
+from drafthead.trainer.prepare import build_draft
 
 ARCHS = ["llama", "qwen3"]
 # small enough for a tiny target (vocab ~320, 4 layers, hidden 64), in every family's own section
@@ -84,7 +86,7 @@ def test_builds_with_the_declared_vocabulary_and_features(built):
     assert ds.drafter.family == fam.name and isinstance(ds.drafter, fam.model)
     assert (ds.d2t is not None) == fam.reduced_vocab
     assert ds.drafter.features in ("aux", "last")
-    assert ds.drafter.draft_modes and set(ds.drafter.draft_modes) <= {"chain", "tree", "block"}
+    assert ds.drafter.draft_modes and all(isinstance(m, DraftMode) for m in ds.drafter.draft_modes.values())
     assert ds.drafter.check_target(target.config) == []
     assert all(0 <= i < target.num_layers for i in ds.drafter.capture_layer_ids())
     assert torch.equal(ds.drafter.embed_tokens.weight, target.model.get_input_embeddings().weight)
@@ -93,14 +95,14 @@ def test_builds_with_the_declared_vocabulary_and_features(built):
 def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
     fam, ds, target, cfg = FAMILIES[built["name"]], built["ds"], built["target"], built["cfg"]
     drafter = ds.drafter
-    batch = L.make_batch(built["train"], target, drafter.capture_layer_ids(), torch.float32, False,
+    batch = make_batch(built["train"], target, drafter.capture_layer_ids(), torch.float32, False,
                          torch.device("cpu"), fam.reduced_vocab)
     before = drafter.state_dict()
     before = {k: v.clone() for k, v in before.items()}
-    engine = L.TorchEngine(drafter, cfg, 100, Dist())
+    engine = TorchEngine(drafter, cfg, 100, Dist())
     losses = []
     for _ in range(4):  # three optimizer steps, the loss read before each and after the last
-        out = L.forward_backward(engine, batch, ds.head, "float32", torch.device("cpu"))
+        out = forward_backward(engine, batch, ds.head, "float32", torch.device("cpu"))
         losses.append(float(out["loss"].detach()))
         engine.step()
         assert out["correct"].shape == out["count"].shape == (drafter.config.num_draft_tokens,)

@@ -21,11 +21,12 @@ from test_train import ROOT, args, assert_same_weights, metrics, train
 from drafthead import cli
 from drafthead.fingerprint import TargetMismatch, compute
 from drafthead.io import WriteError
-from trainer import engine as L
-from trainer.capture import capture_offline
-from trainer.config import ConfigError, load_config
-from trainer.interrupt import GracefulStop, Interrupted
-from trainer.runlock import LOCK_NAME, RunLockError, run_lock
+from drafthead.trainer import run as trainer_run
+from drafthead.trainer.checkpoint import list_checkpoints
+from drafthead.trainer.capture import capture_offline
+from drafthead.trainer.config import ConfigError, load_config
+from drafthead.trainer.interrupt import GracefulStop, Interrupted
+from drafthead.trainer.runlock import LOCK_NAME, RunLockError, run_lock
 
 STEPS = 6
 
@@ -97,7 +98,7 @@ def test_bad_option_is_one_line_before_anything_loads(key, value, says, tmp_path
     def no_load(*a, **k):
         raise AssertionError("the target was loaded before the options were checked")
 
-    monkeypatch.setattr(train, "load_target", no_load)
+    monkeypatch.setattr(trainer_run, "load_target", no_load)
     with pytest.raises(SystemExit) as e:
         train.main([f"{key}={value}", f"output_dir={tmp_path / 'run'}"])
     assert e.value.code == 2
@@ -163,7 +164,7 @@ def test_readers_are_not_blocked_by_a_running_run(full_run, tiny_llama_dir, tmp_
 
 def signal_at_step(monkeypatch, step: int, sigs: tuple[int, ...]) -> None:
     """Send `sigs` to this process in the middle of optimizer step `step` (inside its forward/backward)."""
-    real = L.forward_backward
+    real = trainer_run.forward_backward
     calls = {"n": 0}
 
     def fb(*a, **k):
@@ -173,7 +174,7 @@ def signal_at_step(monkeypatch, step: int, sigs: tuple[int, ...]) -> None:
                 os.kill(os.getpid(), s)
         return real(*a, **k)
 
-    monkeypatch.setattr(L, "forward_backward", fb)
+    monkeypatch.setattr(trainer_run, "forward_backward", fb)
 
 
 def test_metrics_row_summed_across_a_stop_equals_the_uninterrupted_one(tiny_llama_dir, tiny_sharegpt, tmp_path,
@@ -222,13 +223,13 @@ def test_second_sigint_stops_at_once_without_saving(tiny_llama_dir, tiny_sharegp
 
 def test_signal_before_training_stops_at_once(tiny_llama_dir, tiny_sharegpt, tmp_path, monkeypatch):
     """While the target loads there is nothing to checkpoint: the signal stops the run where it is."""
-    real = train.load_target
+    real = trainer_run.load_target
 
     def load(*a, **k):
         os.kill(os.getpid(), signal.SIGTERM)
         return real(*a, **k)
 
-    monkeypatch.setattr(train, "load_target", load)
+    monkeypatch.setattr(trainer_run, "load_target", load)
     with pytest.raises(Interrupted, match="^stopped by SIGTERM$") as e:
         train.main(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt))
     assert e.value.code == 143
@@ -241,14 +242,14 @@ def test_signal_before_training_stops_at_once(tiny_llama_dir, tiny_sharegpt, tmp
 def test_ranks_agree_to_stop_at_the_same_step(seen, monkeypatch):
     """Schedulers signal the ranks at slightly different moments: every rank stops at the step where any rank
     saw a signal (the all-reduce is simulated here as the sum over two ranks)."""
-    import trainer.interrupt as I
-    from trainer.dist import Dist
+    from drafthead.trainer import interrupt
+    from drafthead.trainer.dist import Dist
 
     stops = [GracefulStop(), GracefulStop()]
     for st, sig in zip(stops, seen):
         st.requested = sig
-    total = sum(torch.tensor([float(st.requested == s) for s in I.SIGNALS]) for st in stops)
-    monkeypatch.setattr(I, "all_reduce_sum", lambda t, d: total.clone())
+    total = sum(torch.tensor([float(st.requested == s) for s in interrupt.SIGNALS]) for st in stops)
+    monkeypatch.setattr(interrupt, "all_reduce_sum", lambda t, d: total.clone())
     got = [st.stop_now(Dist(rank=r, world=2)) for r, st in enumerate(stops)]
     if seen == (None, None):
         assert got == [None, None]
@@ -259,13 +260,13 @@ def test_ranks_agree_to_stop_at_the_same_step(seen, monkeypatch):
 
 def test_signal_during_capture_lands_the_shard_in_flight(tiny_llama_dir, tmp_path, monkeypatch):
     from drafthead.target import load_target
-    from trainer import capture as C
+    from drafthead.trainer import capture
 
     target = load_target(str(tiny_llama_dir), dtype="float32")
     samples = [{"id": f"s{i}", "input_ids": list(range(3, 3 + 5 + i % 7)), "loss_mask": [0, 0] + [1] * (3 + i % 7)}
                for i in range(10)]
     clean = capture_offline(target, samples, tmp_path / "clean", [1, 2], torch.bfloat16, 3, progress=False)
-    real, calls = C._capture_chunk, {"n": 0}
+    real, calls = capture._capture_chunk, {"n": 0}
 
     def chunk(*a, **k):
         calls["n"] += 1
@@ -273,7 +274,7 @@ def test_signal_during_capture_lands_the_shard_in_flight(tiny_llama_dir, tmp_pat
             os.kill(os.getpid(), signal.SIGTERM)
         return real(*a, **k)
 
-    monkeypatch.setattr(C, "_capture_chunk", chunk)
+    monkeypatch.setattr(capture, "_capture_chunk", chunk)
     with GracefulStop() as stop, pytest.raises(Interrupted, match="2 of 4 shards") as e:
         capture_offline(target, samples, tmp_path / "cap", [1, 2], torch.bfloat16, 3, progress=False, stop=stop)
     assert e.value.code == 143
@@ -287,14 +288,14 @@ def test_signal_during_capture_lands_the_shard_in_flight(tiny_llama_dir, tmp_pat
 def test_signal_during_a_long_shard_drops_it_and_stops_promptly(tiny_llama_dir, tmp_path, monkeypatch):
     """A shard that would outlast a scheduler's grace is dropped at the next target batch instead."""
     from drafthead.target import load_target
-    from trainer import capture as C
+    from drafthead.trainer import capture
 
     target = load_target(str(tiny_llama_dir), dtype="float32")
     samples = [{"id": f"s{i}", "input_ids": list(range(3, 3 + 5 + i % 7)), "loss_mask": [0, 0] + [1] * (3 + i % 7)}
                for i in range(10)]
     kw = dict(batch_tokens=8, progress=False)  # one conversation a target batch
     clean = capture_offline(target, samples, tmp_path / "clean", [1, 2], torch.bfloat16, 3, **kw)
-    real, calls = C.features_for_batch, {"n": 0}
+    real, calls = capture.features_for_batch, {"n": 0}
 
     def batch(*a, **k):
         calls["n"] += 1
@@ -302,8 +303,8 @@ def test_signal_during_a_long_shard_drops_it_and_stops_promptly(tiny_llama_dir, 
             os.kill(os.getpid(), signal.SIGINT)
         return real(*a, **k)
 
-    monkeypatch.setattr(C, "features_for_batch", batch)
-    monkeypatch.setattr(C, "FINISH_SHARD_WITHIN_S", -1.0)  # any shard is too long to finish
+    monkeypatch.setattr(capture, "features_for_batch", batch)
+    monkeypatch.setattr(capture, "FINISH_SHARD_WITHIN_S", -1.0)  # any shard is too long to finish
     with GracefulStop() as stop, pytest.raises(Interrupted, match=r"was dropped; 1 of 4 shards") as e:
         capture_offline(target, samples, tmp_path / "cap", [1, 2], torch.bfloat16, 3, stop=stop, **kw)
     assert e.value.code == 130 and calls["n"] == 4  # the batch in flight ended it: none of the shard's others ran
@@ -342,7 +343,7 @@ def test_real_process_signalled_mid_training_resumes_bit_identical(sig, tiny_lla
     assert seen < steps, "the run ended before the signal: nothing was tested"
     if sig == signal.SIGTERM:
         assert "stopped by SIGTERM at step" in err and "Traceback" not in err
-        assert L.list_checkpoints(run)[-1].name == f"step_{seen}"  # the step in flight, saved
+        assert list_checkpoints(run)[-1].name == f"step_{seen}"  # the step in flight, saved
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr
     assert_same_weights(run / "final", ref / "final")
@@ -393,7 +394,7 @@ def test_draft_records_the_fingerprint_and_refuses_another_target(full_run, tiny
     from drafthead.export.common import FINGERPRINT_KEY, ExportError
     from drafthead.registry import read_draft_config
     from drafthead.target import load_target
-    from eval import load_models
+    from drafthead.eval import load_models
 
     fp = read_draft_config(full_run / "final")["target"]["fingerprint"]
     assert fp == load_target(str(tiny_llama_dir), dtype="float32").fingerprint

@@ -6,7 +6,7 @@ import torch
 
 from drafthead import hardware
 from drafthead.kernels import cpu_linear
-from trainer import engine as L
+from drafthead.trainer.step import autocast
 
 CASES = [  # (torch capability, cpuinfo flags, class, auto dtype)
     ("AVX2", {"avx2", "fma"}, "AVX2", torch.float32),
@@ -69,12 +69,12 @@ def test_unknown_dtype_is_named():
 @pytest.mark.parametrize("cap,flags,cls,auto", CASES)
 def test_training_autocast_follows_the_decision(monkeypatch, cap, flags, cls, auto):
     fake_cpu(monkeypatch, cap, flags)
-    with L.autocast("auto", torch.device("cpu"), "torch"):
+    with autocast("auto", torch.device("cpu"), "torch"):
         assert torch.is_autocast_enabled("cpu") == (auto == torch.bfloat16)
-    with L.autocast("float32", torch.device("cpu"), "torch"):
+    with autocast("float32", torch.device("cpu"), "torch"):
         assert not torch.is_autocast_enabled("cpu")
     with pytest.raises(ValueError, match="train.dtype='fp16'"):
-        L.autocast("fp16", torch.device("cpu"), "torch")
+        autocast("fp16", torch.device("cpu"), "torch")
 
 
 @pytest.mark.parametrize("cap,flags,cls,auto", CASES)

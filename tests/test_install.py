@@ -2,6 +2,7 @@
 module imports without DeepSpeed, wandb and Triton, and a run that asks for a missing one gets a named error."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
@@ -15,7 +16,7 @@ from packaging.version import Version
 
 from drafthead import optional
 from drafthead.kernels import verify
-from trainer.config import ConfigError, load_config
+from drafthead.trainer.config import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ("deepspeed", "wandb", "triton")
@@ -72,8 +73,8 @@ def test_missing_deepspeed_is_named_at_parse(monkeypatch: pytest.MonkeyPatch, tm
 
 
 def test_missing_wandb_says_so_and_keeps_metrics(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys) -> None:
-    from trainer.dist import Dist
-    from trainer.engine import Logger
+    from drafthead.trainer.dist import Dist
+    from drafthead.trainer.metrics import Logger
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     cfg = load_config([f"output_dir={tmp_path}", "logging.wandb=true"])
@@ -108,3 +109,53 @@ def test_version_is_the_package_version(capsys) -> None:
     assert drafthead.__version__ == project()["version"]
     assert main(["--version"]) == 0 and capsys.readouterr().out == f"drafthead {project()['version']}\n"
     assert main(["--help"]) == 0 and "drafthead --version" in capsys.readouterr().out
+
+
+def test_the_package_list_covers_the_tree() -> None:
+    """pyproject.toml names every package: each folder with an __init__.py under drafthead/, trainer/ and eval/
+    (installed as drafthead.*), and recipes/ as package data, so a non-editable install misses nothing."""
+    st = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    where = {"drafthead": "drafthead", "trainer": "drafthead.trainer", "eval": "drafthead.eval"}
+    found = {".".join([where[p.relative_to(ROOT).parts[0]], *p.parent.relative_to(ROOT).parts[1:]])
+             for top in where for p in (ROOT / top).rglob("__init__.py")}
+    assert found <= set(st["packages"]), found - set(st["packages"])
+    assert st["package-dir"] == {"drafthead.trainer": "trainer", "drafthead.eval": "eval",
+                                 "drafthead.recipes": "recipes"}
+    assert {"drafthead.recipes", "drafthead.recipes.deepspeed"} <= set(st["packages"])
+
+
+@pytest.mark.slow
+def test_a_wheel_trains_from_any_directory(tmp_path: Path, tiny_llama_dir, tiny_sharegpt) -> None:
+    """The built wheel alone (no checkout on the path) holds trainer, eval, recipes and kernels: `drafthead train`
+    run from an empty folder with it trains and saves, and `drafthead --version` answers."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(wheels), str(ROOT)], check=True, capture_output=True)
+    (wheel,) = wheels.glob("drafthead-*.whl")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        z.extractall(site)
+    for f in ("drafthead/trainer/run.py", "drafthead/eval/bench.py", "drafthead/recipes/eagle3_smollm2.yaml",
+              "drafthead/recipes/deepspeed/zero2.json", "drafthead/kernels/cpu_linear.cpp"):
+        assert f in names, f
+    assert not any(n.startswith(("trainer/", "eval/", "recipes/")) for n in names)  # nothing at the top level
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    kv = {"recipe": "eagle3_smollm2", "budget.minutes": "null", "target.name_or_path": tiny_llama_dir,
+          "target.dtype": "float32", "data.dataset": tiny_sharegpt, "data.max_samples": 16, "data.num_holdout": 4,
+          "data.max_length": 96, "drafter.eagle3.draft_vocab_size": 128, "capture.layer_ids": "[1,2,3]",
+          "train.max_steps": 4, "train.batch_size": 2, "train.dtype": "float32", "logging.progress": "false",
+          "output_dir": "run"}
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import drafthead.cli as c; "
+            "assert c.__file__.startswith(sys.argv[1]), c.__file__; sys.exit(c.main(sys.argv[2:]))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", code, str(site), "train", *[f"{k}={v}" for k, v in kv.items()]],
+                       cwd=work, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (work / "run" / "final" / "model.safetensors").is_file()
+    r = subprocess.run([sys.executable, "-c", code, str(site), "--version"], cwd=work, capture_output=True,
+                       text=True, env=env, check=True)
+    assert r.stdout.startswith("drafthead ")

@@ -26,6 +26,7 @@ def _set_interpret(value: str | None) -> str | None:
 
 _previous = _set_interpret("1")
 import drafthead.kernels.triton_kernels as tk  # noqa: E402
+import triton  # noqa: E402
 
 if not tk.INTERPRETED:
     tk = importlib.reload(tk)
@@ -38,6 +39,19 @@ def _interpreter():
     previous = _set_interpret("1")
     yield
     _set_interpret(previous)
+
+
+# Triton 3.6's interpreter turns a scalar that a kernel loaded into a 1-element array and cannot loop `range(1, n)`
+# over it (TypeError in its __index__); 3.9's can. The compiled kernels are unaffected: under triton 3.6 on an
+# H200 all 51 cases of scripts/gpu_check.py equal the PyTorch references (docs/benchmarks.md, "GPU check").
+INTERPRETER_LOOPS_OVER_LOADS = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_can_run(request):
+    if "triton" in request.node.name and not INTERPRETER_LOOPS_OVER_LOADS and tk.INTERPRETED:
+        pytest.skip(f"triton {triton.__version__}'s interpreter cannot loop over a loaded scalar (compiled kernels: "
+                    f"scripts/gpu_check.py)")
 
 from drafthead.kernels import reference as ref  # noqa: E402
 from drafthead.kernels import verify  # noqa: E402

@@ -14,8 +14,8 @@ from drafthead.export import export
 from drafthead.registry import draft_state_dict, load_draft, save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
-from trainer.config import ConfigError, load_config
-from trainer.prepare import build_draft
+from drafthead.trainer.config import ConfigError, load_config
+from drafthead.trainer.prepare import build_draft
 
 E = 1  # exit after the tiny targets' layer 1 (of 4): layers 0 shallow, 1 the exit block
 

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen3Config, Qwen3ForCausalLM
 
 from drafthead.family import OwnLayers
+from drafthead.runtime.draft import CHAIN, TREE
 from drafthead.layers import kv_cache
 from drafthead.layers import shift as _shift
 from drafthead.mtp import (FASTMTP_STEP_WEIGHTS, MtpConfig, MtpDrafter, MtpOptions, init_from_native,
@@ -448,7 +449,7 @@ def test_train_end_to_end(mode: str, tiny_llama_dir, tiny_sharegpt, tmp_path, mo
     over = {} if mode == "online" else {"capture.mode": "offline", "drafter.mtp.recursive": "true",
                                         "drafter.mtp.attention": "chain", "drafter.mtp.step_weights": "[0.6,0.4]"}
     if mode == "offline":  # `drafthead capture` first: it must capture what train.py reads (no aux layers)
-        from trainer.commands import capture as capture_main
+        from drafthead.trainer.commands import capture as capture_main
 
         assert capture_main(train_args(run, tiny_llama_dir, tiny_sharegpt, **over)) == 0
         stamps = {p.name: p.stat().st_mtime_ns for p in (run / "capture").glob("shard_*.safetensors")}
@@ -483,7 +484,7 @@ def test_train_end_to_end(mode: str, tiny_llama_dir, tiny_sharegpt, tmp_path, mo
 
 
 def test_config_rejects_bad_mtp_settings():
-    from trainer.config import ConfigError, load_config
+    from drafthead.trainer.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"'drafter.mtp.step_weights': 2 weights for num_draft_tokens=3"):
         load_config(["drafter.family=mtp", "drafter.mtp.num_draft_tokens=3", "drafter.mtp.step_weights=[0.5,0.5]"])
@@ -555,7 +556,7 @@ class OracleMtp(OwnLayers, nn.Module):
     """Predicts exactly what the target predicts. Speaks the MTP inference API: its "KV" entries hold the
     token x_{t+1} of each entry; prompts start with token 1, so the visible sequence is (1, x_1, ...)."""
 
-    family, features, draft_modes = "mtp", "last", ("chain", "tree")  # the `Drafter` protocol
+    family, features, draft_modes = "mtp", "last", {"chain": CHAIN, "tree": TREE}  # the `Drafter` protocol
 
     def capture_layer_ids(self) -> list[int]:
         return []

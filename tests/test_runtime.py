@@ -22,7 +22,7 @@ from drafthead.layers import kv_cache
 from drafthead.kernels import cpu_linear
 from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
 from drafthead.runtime import ops
-from drafthead.runtime.draft import ngram_lookup
+from drafthead.runtime.draft import CHAIN, TREE, ngram_lookup
 from drafthead.runtime.generate import _Request, _Session
 from drafthead.runtime.sampling import probs
 from drafthead.target import Target, freeze
@@ -68,7 +68,7 @@ class OracleDrafter(OwnLayers, nn.Module):
     it rebuilds the visible token sequence from the attention mask and runs the target on it.
     """
 
-    family, features, draft_modes = "oracle", "aux", ("chain", "tree")  # the `Drafter` protocol
+    family, features, draft_modes = "oracle", "aux", {"chain": CHAIN, "tree": TREE}  # the `Drafter` protocol
 
     def capture_layer_ids(self) -> list[int]:
         return [0]
@@ -879,12 +879,13 @@ def test_stacked_ngram_skips_drafting_when_its_chain_wins_everywhere(llama: Targ
     """chain + n-gram: a round where every request's n-gram chain is longer than the draft chain runs no
     draft steps (their proposal would be discarded); without n-gram matches every round drafts. The
     output is the AR output either way."""
-    from drafthead.runtime import draft as D
-    from drafthead.runtime import generate as G
+    from drafthead.runtime import draft as runtime_draft
+    from drafthead.runtime import generate as runtime_generate
 
     calls = []
-    real = D.DraftRunner.chain
-    monkeypatch.setattr(D.DraftRunner, "chain", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = runtime_draft.DraftRunner.chain
+    monkeypatch.setattr(runtime_draft.DraftRunner, "chain",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     gen = SpeculativeGenerator(llama, random_drafter(llama))
     prompts = random_prompts(3, 128, seed=5)
     want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
@@ -892,7 +893,7 @@ def test_stacked_ngram_skips_drafting_when_its_chain_wins_everywhere(llama: Targ
     for lookup, drafts in ((lambda history, n, cap: [7] * cap, False),  # always a 2k-token match: it wins
                            (lambda history, n, cap: [7] * 2, True),  # as long as the draft chain: the draft wins
                            (lambda history, n, cap: [], True)):  # no match
-        monkeypatch.setattr(G, "ngram_lookup", lookup)
+        monkeypatch.setattr(runtime_generate, "ngram_lookup", lookup)
         calls.clear()
         got = gen.generate(prompts, 16, spec)
         assert [r.tokens for r in got] == want

@@ -14,14 +14,14 @@ import torch
 from safetensors.torch import load_file
 
 from test_train import ROOT, args, free_port, train
-from trainer.config import ConfigError, load_config
-from trainer.dist import check_tensor_parallel
+from drafthead.trainer.config import ConfigError, load_config
+from drafthead.trainer.dist import check_tensor_parallel
 
 WORKER = r'''
 import json, sys, torch
 from drafthead.target import TargetHead, load_target, lm_head_weight
-from trainer.capture import collate, features_for_batch
-from trainer.dist import init_distributed
+from drafthead.trainer.capture import collate, features_for_batch
+from drafthead.trainer.dist import init_distributed
 path, out = sys.argv[1], sys.argv[2]
 d = init_distributed(2)
 split = load_target(path, dtype="float32", tp_mesh=d.tp_mesh)

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from drafthead import hardware
 from drafthead.registry import load_draft, read_draft_config
 from drafthead.target import load_target
-from trainer import engine as L
-from trainer.config import load_config
-from trainer.data import load_conversations, read_jsonl, split_holdout
+from drafthead.trainer.checkpoint import list_checkpoints
+from drafthead.trainer.config import load_config
+from drafthead.trainer.data import load_conversations, read_jsonl, split_holdout
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("train_script", ROOT / "train.py")
@@ -175,7 +175,7 @@ def test_offline_training_equals_online(tiny_llama_dir, tiny_sharegpt, tmp_path)
 
 
 def test_drafthead_capture_then_train_reuses_the_shards(tiny_llama_dir, tiny_sharegpt, tmp_path, capsys):
-    from trainer.commands import capture as capture_main
+    from drafthead.trainer.commands import capture as capture_main
 
     run, cap = tmp_path / "run", tmp_path / "cap"
     kw = {"capture.mode": "offline", "capture.dir": cap, "train.max_steps": 2, "train.save_every": 0}
@@ -226,8 +226,8 @@ def test_holdout_larger_than_data_is_a_clear_error(tiny_llama_dir, tiny_sharegpt
 
 
 def test_max_samples_counts_training_conversations(tiny_llama_dir, tiny_sharegpt, tmp_path):
-    from trainer.engine import Dist
-    from trainer.prepare import prepare_samples
+    from drafthead.trainer.dist import Dist
+    from drafthead.trainer.prepare import prepare_samples
 
     cfg = load_config(args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"data.max_samples": 10}))
     prep = prepare_samples(cfg, load_target(str(tiny_llama_dir), dtype="float32"), Dist(), tmp_path / "run",
@@ -248,13 +248,13 @@ def test_retain_freed_memory_keeps_big_frees_in_the_heap():
     DRAFTHEAD_MALLOC_RETAIN=0 turns it off."""
     code = (
         "import resource, torch\n"
-        "from trainer.engine import retain_freed_memory\n"
+        "from drafthead.trainer.memory import retain_freed_memory\n"
         "on = retain_freed_memory()\n"
         "torch.empty(16 << 20).fill_(1)\n"  # first use of 64 MB: faults either way
         "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "for _ in range(10): torch.empty(16 << 20).fill_(1)\n"
         "print(on, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)\n"
-        "from trainer.engine import trim_freed_memory\n"
+        "from drafthead.trainer.memory import trim_freed_memory\n"
         "def anon(): return int([l for l in open('/proc/self/status') if l.startswith('RssAnon')][0].split()[1])\n"
         "x = [torch.empty(4 << 20).fill_(1) for _ in range(32)]; before = anon(); del x[::2]\n"  # holes
         "print(trim_freed_memory(), before - anon())\n")
@@ -275,14 +275,14 @@ def test_retain_freed_memory_keeps_big_frees_in_the_heap():
 def test_heap_cap_trims_once_the_heap_outgrows_its_slack(monkeypatch):
     """The per-step check: the first call after a trim takes the base (the step's working set included);
     a trim only once the process grew the slack past it; nothing without retain_freed_memory."""
-    import trainer.engine as E
+    from drafthead.trainer import memory
 
     rss = {"now": 5 << 30}
     trims = []
-    monkeypatch.setattr(E, "resident_bytes", lambda: rss["now"])
-    monkeypatch.setattr(E, "trim_freed_memory", lambda: trims.append(rss["now"]) or True)
-    monkeypatch.setattr(E, "_LIBC", object())
-    cap = E.HeapCap(slack_bytes=2 << 30)
+    monkeypatch.setattr(memory, "resident_bytes", lambda: rss["now"])
+    monkeypatch.setattr(memory, "trim_freed_memory", lambda: trims.append(rss["now"]) or True)
+    monkeypatch.setattr(memory, "_LIBC", object())
+    cap = memory.HeapCap(slack_bytes=2 << 30)
     assert cap() is False and cap.base == 5 << 30  # base taken
     rss["now"] = (7 << 30) - 1
     assert cap() is False and not trims  # within the slack
@@ -292,7 +292,7 @@ def test_heap_cap_trims_once_the_heap_outgrows_its_slack(monkeypatch):
     assert cap() is False and cap.base == 4 << 30
     cap.trim()  # a trim at an evaluation or checkpoint: handed back, base measured again
     assert trims == [7 << 30, 4 << 30] and cap.base is None and cap.trims == 2
-    monkeypatch.setattr(E, "_LIBC", None)  # retain_freed_memory off (or not glibc): nothing to hand back
+    monkeypatch.setattr(memory, "_LIBC", None)  # retain_freed_memory off (or not glibc): nothing to hand back
     rss["now"] = 100 << 30
     assert cap() is False and cap() is False and len(trims) == 2
 
@@ -300,7 +300,7 @@ def test_heap_cap_trims_once_the_heap_outgrows_its_slack(monkeypatch):
 def test_resident_bytes_reads_this_process():
     if not sys.platform.startswith("linux"):
         pytest.skip("/proc/self/statm is Linux only")
-    from trainer.engine import resident_bytes
+    from drafthead.trainer.memory import resident_bytes
 
     import mmap
 
@@ -479,7 +479,7 @@ def test_lora_resume_gives_the_same_draft(tiny_llama_dir, tiny_sharegpt, tmp_pat
     full, part = tmp_path / "full", tmp_path / "part"
     train.main(args(full, tiny_llama_dir, tiny_sharegpt, **LORA))
     train.main(args(part, tiny_llama_dir, tiny_sharegpt, **LORA, **{"train.stop_after_steps": 3}))
-    ckpt = L.list_checkpoints(part)[-1]
+    ckpt = list_checkpoints(part)[-1]
     assert all(".lora_" in k for k in weights(ckpt))
     train.main(args(part, tiny_llama_dir, tiny_sharegpt, **LORA, **{"train.resume": "auto"}))
     assert "resumed from" in capsys.readouterr().out

@@ -9,20 +9,17 @@ as much (the held-out curve flattens there), while capturing a token costs ~2.5x
 planner weighs passes 1-3 fully and the 4th by half, and among plans within 2% of the best it takes the one
 with the most fresh data.
 
-`make_plan` is pure (rates in, plan out) and tested; `measure_rates` is the probe; `plan_run` ties them
-to a run directory so a resumed run reuses its first plan (a re-measured plan would ask for another capture).
+This module is the pure planner: rates in, plan out, no model and no torch, unit-tested on made-up rates.
+The probe that measures the rates and ties a plan to a run directory is trainer/probe.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-
-import torch
 
 PLAN_FILE = "plan.json"
 SAFETY = 0.95  # plan to this share of the budget: rates drift a few % over a run (batch shapes, heap)
@@ -222,39 +219,6 @@ def _most_passes(conv: int, r: Rates, s: Shape, setup_s: float, avail_s: float) 
     return _most_tenths(lambda p: estimate(conv, p, r, s, setup_s)["total"] <= avail_s, s.max_passes)
 
 
-# ------------------------------------------------------------------------------------------------
-# the probe: a few seconds of real work on this machine
-
-
-def measure_rates(samples: list[dict], batch_size: int, batches: int, features: Callable[[list[dict]], dict],
-                  step: Callable[[dict], Any], eval_forward: Callable[[dict], Any], save: Callable[[], Any]
-                  ) -> dict[str, float]:
-    """Time capture, a training step and an eval forward on `batches` batches of real samples, and one
-    checkpoint save. Batches are length-grouped like the trainer's and spread over the length range, since
-    short and long conversations cost differently per token. Training gets two warm-up steps: the first
-    two allocate the optimizer state and the autocast caches (one warm-up under-read the rate by ~30%)."""
-    pool = sorted(samples, key=lambda s: len(s["input_ids"]))
-    groups = [pool[i: i + batch_size] for i in range(0, len(pool), batch_size)]
-    n = batches + 2
-    if len(groups) < n:
-        raise BudgetError(f"the budget probe needs at least {n * batch_size} training samples, got {len(samples)}")
-    pick = [groups[round(i * (len(groups) - 1) / (n - 1))] for i in range(n)]
-    ntok = [sum(len(s["input_ids"]) for s in g) for g in pick]
-
-    def rate(fn: Callable[[Any], Any], items: list, warm: int) -> tuple[float, list]:
-        out = [fn(x) for x in items[:warm]]
-        t = time.perf_counter()
-        out += [fn(x) for x in items[warm:]]
-        return sum(ntok[warm:]) / (time.perf_counter() - t), out
-
-    capture, feats = rate(features, pick, 1)
-    train, _ = rate(step, feats, 2)
-    ev, _ = rate(eval_forward, feats, 1)
-    t = time.perf_counter()
-    save()
-    return {"capture_tok_s": capture, "train_tok_s": train, "eval_tok_s": ev, "save_s": time.perf_counter() - t}
-
-
 def refit_passes(plan: Plan, s: Shape, elapsed_s: float, samples: int, tokens: int) -> tuple[float, dict]:
     """Passes that fit what is left of the budget, now that the data (`samples`, `tokens`) and the time
     spent (`elapsed_s`, capture included) are known: tenths of a pass, at least 0.1, at most max_passes."""
@@ -270,28 +234,6 @@ def refit_passes(plan: Plan, s: Shape, elapsed_s: float, samples: int, tokens: i
                   "samples": samples, "tokens": tokens, "est_total_s": round(elapsed_s + rest(best), 1)}
 
 
-def refit_after_capture(plan: Plan | None, cfg: Any, d: Any, run_dir: Path, elapsed_s: float, samples: int,
-                        tokens: int, log: Callable = print) -> Plan | None:
-    """Re-fit the passes the plan chose (once; a resumed run keeps the result): the probe's estimates of the
-    data size and the capture rate are off by some percent, and the passes are where that is absorbed."""
-    from drafthead.io import atomic_write_json
-    from trainer import engine as L
-
-    if plan is None or plan.refit is not None or "train.epochs" not in plan.chosen:
-        return plan
-    if d.main:
-        passes, info = refit_passes(plan, shape_of(cfg), elapsed_s, samples, tokens)
-        plan.passes, plan.steps, plan.refit = passes, info["steps"], info
-        atomic_write_json(run_dir / PLAN_FILE, plan.to_dict())
-    L.barrier(d)
-    plan = load_plan(run_dir)
-    assert plan is not None and plan.refit is not None
-    cfg.train.epochs = plan.passes
-    log(f"plan after capture: {plan.passes:g} passes, {plan.steps} steps over {samples} samples ({tokens / 1000:.0f}k "
-        f"tokens), {plan.refit['elapsed_s'] / 60:.1f} min spent, est. {plan.refit['est_total_s'] / 60:.1f} min in all")
-    return plan
-
-
 STEP_REFIT_AT = (0.05, 0.5)  # shares of the planned steps after which the loop re-fits its step count
 
 
@@ -303,60 +245,6 @@ def refit_steps(step: int, elapsed_s: float, budget_s: float, s_per_step: float,
     per = s_per_step + (eval_s / eval_every if eval_every else 0.0) + (save_s / save_every if save_every else 0.0)
     left = budget_s * SAFETY - elapsed_s - eval_s - 2 * save_s  # the last eval, checkpoint and final draft
     return int(min(max(step + 1, step + math.floor(max(left, 0.0) / max(per, 1e-9))), max(most, step + 1)))
-
-
-class StepClock:
-    """Re-fits the step count from the loop's own rate at STEP_REFIT_AT of the plan, with the schedule
-    rebuilt on the new total. Why: the probe's few steps read the train rate high (dflash_smollm2:
-    591 tokens/s probed, ~440 over the run, which ended 10% over budget), and only the loop sees the
-    rate of a whole run: all lengths, a warm heap, evals and checkpoints. Refits are stored in plan.json,
-    so a resumed run keeps the total; only a run that started at step 0 measures (its clock is the run's)."""
-
-    def __init__(self, plan: Plan | None, cfg: Any, total_steps: int, step: int, most: int) -> None:
-        self.plan, self.most = plan, most
-        self.total = plan.step_refits[-1]["steps"] if plan is not None and plan.step_refits else total_steps
-        self.active = plan is not None and step == 0 and "train.epochs" in plan.chosen
-        self.planned = total_steps
-        self.eval_every, self.save_every = cfg.train.eval_every, cfg.train.save_every
-        self.eval_samples = shape_of(cfg).eval_samples
-        self.t0 = time.perf_counter()
-        self.side = {"eval": [0.0, 0], "save": [0.0, 0]}  # seconds and count of evals / checkpoints
-
-    def spent(self, kind: str, seconds: float) -> None:
-        self.side[kind][0] += seconds
-        self.side[kind][1] += 1
-
-    def due(self, step: int) -> bool:
-        done = len(self.plan.step_refits) if self.plan is not None else 0
-        return self.active and done < len(STEP_REFIT_AT) and step >= max(2, STEP_REFIT_AT[done] * self.planned)
-
-    def refit(self, step: int, elapsed_s: float, d: Any, run_dir: Path, log: Callable = print) -> int:
-        """The new total (the same on every rank: rank 0 decides and stores it, the others read it)."""
-        from drafthead.io import atomic_write_json
-        from trainer import engine as L
-
-        assert self.plan is not None
-        if d.main:
-            r = self.plan.rates
-            loop_s = time.perf_counter() - self.t0 - self.side["eval"][0] - self.side["save"][0]
-            est_eval = self.eval_samples * r.tokens_per_sample / r.eval_tok_s
-            eval_s = self.side["eval"][0] / self.side["eval"][1] if self.side["eval"][1] else est_eval
-            save_s = self.side["save"][0] / self.side["save"][1] if self.side["save"][1] else r.save_s
-            total = refit_steps(step, elapsed_s, self.plan.budget_s, loop_s / step, eval_s, save_s, self.eval_every,
-                                self.save_every, self.most)
-            self.plan.step_refits.append({"at_step": step, "steps": total, "s_per_step": round(loop_s / step, 4),
-                                          "eval_s": round(eval_s, 2), "save_s": round(save_s, 2),
-                                          "elapsed_s": round(elapsed_s, 1)})
-            atomic_write_json(run_dir / PLAN_FILE, self.plan.to_dict())
-        L.barrier(d)
-        self.plan = load_plan(run_dir)
-        assert self.plan is not None
-        last = self.plan.step_refits[-1]
-        if last["steps"] != self.total:
-            log(f"\nbudget: {last['s_per_step']:.2f} s a step measured over {step} steps; {last['steps']} steps "
-                f"(was {self.total}) end the run in budget")
-        self.total = last["steps"]
-        return self.total
 
 
 def load_plan(run_dir: Path) -> Plan | None:
@@ -379,75 +267,6 @@ def shape_of(cfg: Any) -> Shape:
                  conversations=cfg.data.max_samples, passes=cfg.train.epochs, max_steps=cfg.train.max_steps)
 
 
-def probe(cfg: Any, target: Any, device: torch.device) -> Rates:
-    """Measure this machine on the recipe's own data, target and drafter (a throwaway copy)."""
-    import tempfile
-
-    from drafthead.hardware import cpu_class, resolve_dtype_name
-    from trainer import data as D
-    from trainer import engine as L
-    from trainer.prepare import build_draft, feature_dtype
-
-    dc, n = cfg.data, cfg.budget.probe_samples
-    every, _ = D.load_conversations(dc.dataset, None)  # a few seconds for ShareGPT; the plan is capped by it
-    convs = every[:n]
-    t = time.perf_counter()  # the file's one-time cost is setup; tokenizing grows with the conversations
-    samples, _ = D.tokenize_conversations(target.tokenizer, convs, max_length=dc.max_length, overlong=dc.overlong,
-                                          chat_template=dc.chat_template, enable_thinking=dc.enable_thinking)
-    prep_s = (time.perf_counter() - t) / max(len(convs), 1)
-    rng = L.rng_state()  # the throwaway drafter draws random numbers the real run must draw again
-    try:
-        ds = build_draft(cfg, target, samples, device, log=lambda *a: None)
-        engine = L.TorchEngine(ds.drafter, cfg, 1000, L.Dist(device=device))
-        layer_ids, fdt = ds.drafter.capture_layer_ids(), feature_dtype(cfg.capture.dtype)
-        with tempfile.TemporaryDirectory() as tmp:
-            got = measure_rates(
-                samples, cfg.train.batch_size, cfg.budget.probe_batches,
-                features=lambda g: L.make_batch(g, target, layer_ids, fdt, False, device, ds.d2t is not None),
-                step=lambda fb: (L.forward_backward(engine, fb, ds.head, cfg.train.dtype, device), engine.step()),
-                eval_forward=lambda fb: L.evaluate(ds.drafter, [fb], ds.head, L.Dist(device=device)),
-                save=lambda: engine.save(Path(tmp)))
-    finally:
-        L.set_rng_state(rng)
-    return Rates(**got, tokens_per_sample=sum(len(s["input_ids"]) for s in samples) / len(samples),
-                 usable_frac=len(samples) / len(convs), prep_s_per_conv=prep_s,
-                 available=max(len(every) - dc.num_holdout, 0), cpu_class=cpu_class(),
-                 dtype=resolve_dtype_name(cfg.target.dtype, device, quiet=True))
-
-
-def plan_run(cfg: Any, target: Any, d: Any, run_dir: Path, t_start: float, log: Callable = print) -> Plan | None:
-    """With `budget.minutes` set: measure, plan, fill the null keys of `cfg` in place, say the plan. A
-    resumed run (plan.json in run_dir, same budget and given keys) keeps its first plan."""
-    from drafthead.io import atomic_write_json
-    from trainer import engine as L
-
-    if not cfg.budget.minutes:
-        return None
-    budget_s, s = cfg.budget.minutes * 60.0, shape_of(cfg)
-    plan = load_plan(run_dir)
-    if plan is not None and plan_matches(plan, budget_s, s):
-        log(f"resuming with the plan in {run_dir / PLAN_FILE}")
-    else:
-        if d.main:
-            log(f"budget: {cfg.budget.minutes:g} min; measuring this machine ...")
-            rates = probe(cfg, target, d.device)
-            plan = make_plan(budget_s, time.perf_counter() - t_start, rates, s)
-            atomic_write_json(run_dir / PLAN_FILE, plan.to_dict())
-        L.barrier(d)
-        plan = load_plan(run_dir)
-        assert plan is not None
-    if "data.max_samples" in plan.chosen:
-        cfg.data.max_samples = plan.conversations
-    if "train.epochs" in plan.chosen:
-        cfg.train.epochs = plan.passes
-    log(plan.line())
-    if not plan.fits:
-        log(f"warning: the given keys ("
-            f"{', '.join(k for k in ('data.max_samples', 'train.epochs', 'train.max_steps') if k not in plan.chosen)}) "
-            f"make a run of ~{plan.est_s['total'] / 60:.0f} min, over budget.minutes={cfg.budget.minutes:g}")
-    return plan
-
-
 def budget_record(plan: Plan | None, phases: dict[str, float], steps: int, tokens: int) -> dict:
     """Planned vs actual, for metrics.jsonl and final/config.json."""
     out = {"actual_s": {k: round(v, 1) for k, v in phases.items()}, "actual_steps": steps,
@@ -456,68 +275,3 @@ def budget_record(plan: Plan | None, phases: dict[str, float], steps: int, token
         out["plan"] = plan.to_dict()
         out["actual_over_budget"] = round(phases.get("total", 0.0) / plan.budget_s, 3)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# memory per rank (printed at start; `train.dry_run=true` prints it from the configs alone, no weights)
-GIB = 2 ** 30
-OPTIMIZER_BYTES = 16  # a trainable parameter: fp32 weight + fp32 grad + AdamW's two fp32 moments
-
-
-def memory_per_rank(target_params: int, target_dtype_bytes: int, tp: int, draft_trainable: int,
-                    draft_frozen_bytes: int) -> dict[str, float]:
-    """GiB a rank holds before activations: its 1/tp of the target (every weight is split by the tp plan),
-    the draft replicated with fp32 grads and AdamW states, and the draft's frozen copies of target rows."""
-    target = target_params * target_dtype_bytes / tp / GIB
-    draft = (draft_trainable * OPTIMIZER_BYTES + draft_frozen_bytes) / GIB
-    return {"target_gib": round(target, 2), "target_whole_gib": round(target * tp, 2),
-            "draft_gib": round(draft, 2), "total_gib": round(target + draft, 2)}
-
-
-def draft_params(drafter: torch.nn.Module) -> tuple[int, int]:
-    """(trainable parameters, bytes of the frozen ones) as the drafter holds them: its frozen copies of target
-    rows stay in the drafter's own dtype (fp32 when built), whatever the target's is."""
-    trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)  # the families freeze their copies
-    frozen = sum(p.numel() * p.element_size() for p in drafter.parameters() if not p.requires_grad)
-    return trainable, frozen
-
-
-def memory_line(target: Any, drafter: torch.nn.Module, d: Any) -> str:
-    """One line for the log: what this rank holds before activations."""
-    tparams = sum(p.numel() for p in target.model.parameters())
-    tbytes = next(target.model.parameters()).element_size()
-    trainable, frozen = draft_params(drafter)
-    m = memory_per_rank(tparams, tbytes, d.tp, trainable, frozen)
-    split = f"1/{d.tp} of {m['target_whole_gib']:.1f}" if d.tp > 1 else "whole"
-    return (f"memory per rank before activations: {m['total_gib']:.1f} GiB = target {m['target_gib']:.1f} GiB "
-            f"({split}) + draft {m['draft_gib']:.1f} GiB ({trainable / 1e6:.0f}M trainable with fp32 grads and "
-            f"AdamW states)")
-
-
-def dry_run(cfg: Any, log: Callable = print) -> dict[str, float]:
-    """The memory per rank of a recipe from the target's config alone: target and drafter are built on the
-    meta device, so a 70B target needs no weights and no GPU (`python train.py recipe=NAME train.dry_run=true`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from drafthead.hardware import resolve_dtype_name
-    from drafthead.registry import family
-    from drafthead.target import resolve_target
-
-    path, _ = resolve_target(cfg.target.name_or_path, cfg.target.gguf_file)
-    tcfg = AutoConfig.from_pretrained(path)
-    dtype = getattr(torch, resolve_dtype_name(cfg.target.dtype, torch.device("cuda"), quiet=True))
-    fam = family(cfg.drafter.family)
-    options = getattr(cfg.drafter, fam.name)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
-        vocab = options.draft_vocab_size if fam.reduced_vocab else None  # reduced-vocab families size it
-        drafter = fam.model(fam.build(tcfg, options, cfg.capture.layer_ids, vocab and min(vocab, tcfg.vocab_size)))
-    tparams = sum(p.numel() for p in model.parameters())
-    trainable, frozen = draft_params(drafter)  # built in fp32 on the meta device, as train.py builds it
-    tp = cfg.target.tensor_parallel
-    m = memory_per_rank(tparams, dtype.itemsize, tp, trainable, frozen)
-    log(f"dry run: {cfg.target.name_or_path}, {tparams / 1e9:.1f}B params in {str(dtype).removeprefix('torch.')}, "
-        f"drafter {fam.name} {trainable / 1e6:.0f}M trainable; tensor_parallel={tp}: memory per rank before "
-        f"activations {m['total_gib']:.1f} GiB = target {m['target_gib']:.1f} GiB "
-        f"(1/{tp} of {m['target_whole_gib']:.1f}) + draft {m['draft_gib']:.1f} GiB")
-    return {**m, "target_params": tparams, "draft_trainable": trainable, "tensor_parallel": tp}

@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 from drafthead.io import atomic_write_json, clean_stale_tmp, writing
 from drafthead.target import Target, capture, full_argmax, lm_head_weight
-from trainer.dist import Dist, tp_broadcast
-from trainer.interrupt import GracefulStop, Interrupted, signal_name
+from drafthead.trainer.dist import Dist, tp_broadcast
+from drafthead.trainer.interrupt import GracefulStop, Interrupted, signal_name
 
 MANIFEST = "manifest.json"
 # On SIGINT/SIGTERM a shard in flight is finished only if it will end within this many seconds (estimated from

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.interrupt import GracefulStop, Interrupted
-from trainer.runlock import run_lock_on_rank0
+from drafthead.trainer.interrupt import GracefulStop, Interrupted
+from drafthead.trainer.runlock import run_lock_on_rank0
 
 
 def capture(argv: list[str]) -> int:
@@ -15,10 +15,10 @@ def capture(argv: list[str]) -> int:
     features and the stored argmax the recipe's drafter family reads."""
     from drafthead.registry import family
     from drafthead.target import check_layer_ids, load_target
-    from trainer.capture import capture_offline
-    from trainer.config import parse_or_exit
-    from trainer.dist import Dist
-    from trainer.prepare import feature_dtype, prepare_samples
+    from drafthead.trainer.capture import capture_offline
+    from drafthead.trainer.config import parse_or_exit
+    from drafthead.trainer.dist import Dist
+    from drafthead.trainer.prepare import feature_dtype, prepare_samples
 
     cfg = parse_or_exit(argv)
     fam = family(cfg.drafter.family)
@@ -40,5 +40,5 @@ def capture(argv: list[str]) -> int:
         print(f"drafthead capture: {e}", file=sys.stderr)
         return e.code
     print(f"captured {m['num_samples']} samples, {m['num_tokens']} tokens, {len(m['shards'])} shards -> {out}\n"
-          f"next: python train.py recipe={cfg.recipe} capture.mode=offline capture.dir={out}")
+          f"next: drafthead train recipe={cfg.recipe} capture.mode=offline capture.dir={out}")
     return 0

@@ -16,10 +16,12 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from drafthead.cli import key_values
 from drafthead.hardware import DTYPES
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-DEFAULT_RECIPE = (RECIPES_DIR / "default.yaml").resolve().stem  # default.yaml links to the embedded default
+# the embedded default; `recipe=default` names it too. A name, not a symlink: wheels copy links as files.
+DEFAULT_RECIPE = "eagle3_smollm2"
 
 
 @dataclass
@@ -171,7 +173,7 @@ def recipe_path(name: str) -> Path:
     p = Path(name)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
-    p = RECIPES_DIR / f"{name}.yaml"
+    p = RECIPES_DIR / f"{DEFAULT_RECIPE if name == 'default' else name}.yaml"
     if not p.is_file():
         known = sorted(q.stem for q in RECIPES_DIR.glob("*.yaml"))
         raise ConfigError(f"unknown recipe '{name}'; known recipes: {', '.join(known)}")
@@ -180,18 +182,9 @@ def recipe_path(name: str) -> Path:
 
 def load_config(argv: list[str] | None = None) -> RunConfig:
     """Defaults <- recipes/<recipe>.yaml <- `key=value` overrides; strict about unknown keys."""
-    argv = list(argv or [])
-    bad = [a for a in argv if "=" not in a]
-    if bad:
-        raise ConfigError(f"arguments must be key=value, got {bad}")
-    recipe = DEFAULT_RECIPE
-    rest = []
-    for a in argv:
-        k, v = a.split("=", 1)
-        if k == "recipe":
-            recipe = v
-        else:
-            rest.append(a)
+    pairs = key_values(list(argv or []), ConfigError)
+    recipe = pairs.pop("recipe", DEFAULT_RECIPE)
+    rest = [f"{k}={v}" for k, v in pairs.items()]
     schema = OmegaConf.structured(RunConfig)
     OmegaConf.set_struct(schema, True)
     try:

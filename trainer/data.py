@@ -562,9 +562,26 @@ def _read_done(path: Path) -> dict[str, Conversation]:
 
 # ----------------------------------------------------------------------------- regenerate
 
+@dataclass
+class AnswerOptions:
+    """How the target answers when it rewrites a dataset's answers (`data.regenerate`'s knobs)."""
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    batch_size: int = 8
+    seed: int = 0
+    max_turns: int = 1  # user turns answered, in order, each with the regenerated history
+    chat_template: str | None = None
+    enable_thinking: bool | None = None
+    # conversations whose first prompt is longer keep their original answers: a batch runs at the length of its
+    # longest prompt, and an answer behind a prompt longer than the training window is cut anyway
+    max_prompt_tokens: int | None = None
+
+
 def _ar_runtime(target, eot: list[int]):
-    """drafthead's own batched decoding loop (finished rows leave the batch; 1.1x HF `generate` on the same 64
-    SmolLM2 prompts at batch 64, measured) when the runtime implements the architecture; None -> HF `generate`."""
+    """drafthead's own batched decoding loop (finished rows leave the batch, where HF `generate` keeps decoding
+    them: docs/experiment_log.md has the comparison) when the runtime implements the architecture; None -> HF
+    `generate`."""
     from drafthead.runtime.generate import SpeculativeGenerator
     from drafthead.runtime.model import SUPPORTED_MODEL_TYPES
 
@@ -575,111 +592,135 @@ def _ar_runtime(target, eot: list[int]):
     return g
 
 
-def regenerate(target, convs: list[Conversation], out_path: str, max_new_tokens: int = 512,
-               temperature: float = 0.0, top_p: float = 1.0, batch_size: int = 8, seed: int = 0,
-               max_turns: int = 1, chat_template: str | None = None,
-               enable_thinking: bool | None = None, max_prompt_tokens: int | None = None) -> list[Conversation]:
-    """Replace assistant turns with the target's own answers (draft heads learn the target's distribution).
+class _Answerer:
+    """Answers a batch of tokenized prompts: our runtime's batched AR loop where it runs the architecture, HF
+    `generate` elsewhere. Answers stop at the first end-of-turn token (kept)."""
 
-    Keeps the leading system message and the first `max_turns` user turns, answering each in order with
-    the regenerated history. Resumable: finished conversations are appended to `out_path` (flushed per
-    batch) and ids already there are skipped. Returns the regenerated conversations of `convs` (input order).
-    `max_prompt_tokens` skips (and counts) conversations whose first prompt is longer: a batch runs at the
-    length of its longest prompt, and an answer behind a prompt longer than the training window is cut anyway.
-    """
-    import torch
+    def __init__(self, target, opts: AnswerOptions) -> None:
+        tok, model = target.tokenizer, target.model
+        self.eot = list(_eot_tokens(tok))
+        gen_eos = model.generation_config.eos_token_id
+        self.eot += [i for i in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []) if i not in self.eot]
+        self.tok, self.model, self.opts = tok, model, opts
+        pad = tok.pad_token_id if tok.pad_token_id is not None else self.eot[0]
+        self.gen_kw = dict(max_new_tokens=opts.max_new_tokens, do_sample=opts.temperature > 0, pad_token_id=pad,
+                           eos_token_id=self.eot)
+        if opts.temperature > 0:  # top_k=0: only top_p filters, whatever the model's generation_config says
+            self.gen_kw.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
+        else:  # greedy; unset the sampling knobs some generation_configs carry (avoids warnings)
+            self.gen_kw.update(temperature=None, top_p=None, top_k=None)
+        self.runtime = _ar_runtime(target, self.eot)
 
-    from drafthead.runtime.generate import SpecConfig
+    def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
+        import torch
 
-    if max_turns < 1 or batch_size < 1 or max_new_tokens < 1:
-        raise ValueError("max_turns, batch_size and max_new_tokens must be >= 1")
-    tok, model = target.tokenizer, target.model
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = _read_done(out)
+        from drafthead.runtime.generate import SpecConfig
+
+        o = self.opts
+        if self.runtime is not None:  # our batched loop: finished rows leave the batch
+            spec = SpecConfig(mode="ar", temperature=o.temperature, top_p=o.top_p, seed=seed, batch_size=len(prompts))
+            answers = [r.tokens for r in self.runtime.generate(prompts, o.max_new_tokens, spec)]
+        else:
+            enc = self.tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(self.model.device)
+            with torch.no_grad():
+                gen = self.model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                                          **self.gen_kw)
+            answers = gen[:, enc["input_ids"].shape[1]:].tolist()  # [B, new]
+        cut = [next((k for k, t in enumerate(ids) if t in self.eot), None) for ids in answers]
+        return [ids if k is None else ids[:k + 1] for ids, k in zip(answers, cut)]
+
+
+def _prompts_to_answer(tok, convs: list[Conversation], done: dict, opts: AnswerOptions) -> tuple[list, int]:
+    """(id, leading system message, first max_turns user turns) of the conversations still to answer, longest
+    first prompt first (similar lengths per batch: less padding), and how many were left out for a first
+    prompt longer than max_prompt_tokens."""
     todo = []
     for c in convs:
         if c.id in done:
             continue
         system = [m for m in c.messages[:1] if m["role"] == "system"]
-        users = [m for m in c.messages if m["role"] == "user"][:max_turns]
+        users = [m for m in c.messages if m["role"] == "user"][:opts.max_turns]
         if users:
             todo.append((c.id, system, users))
     long_prompts = 0
-    if max_prompt_tokens is not None:
-        kept = []
-        for item in todo:
-            prompt = _render(tok, item[1] + item[2][:1], chat_template, enable_thinking, add_generation_prompt=True)
-            if len(tok(prompt, add_special_tokens=False)["input_ids"]) <= max_prompt_tokens:
-                kept.append(item)
-        long_prompts = len(todo) - len(kept)
-        todo = kept
-        if long_prompts:
-            print(f"regenerate: {long_prompts} conversations keep their original answers: first prompt longer than "
-                  f"max_prompt_tokens={max_prompt_tokens}", flush=True)
-    todo.sort(key=lambda t: -len(t[2][0]["content"]))  # similar lengths per batch: less padding
-    eot = list(_eot_tokens(tok))
-    gen_eos = model.generation_config.eos_token_id
-    eot += [i for i in ([gen_eos] if isinstance(gen_eos, int) else gen_eos or []) if i not in eot]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eot[0]
-    limit = getattr(model.config, "max_position_embeddings", None)
-    sample = temperature > 0
-    gen_kw = dict(max_new_tokens=max_new_tokens, do_sample=sample, pad_token_id=pad, eos_token_id=eot)
-    if sample:  # top_k=0: only top_p filters, whatever the model's generation_config says
-        gen_kw.update(temperature=temperature, top_p=top_p, top_k=0)
-    else:  # greedy; unset the sampling knobs some generation_configs carry (avoids warnings)
-        gen_kw.update(temperature=None, top_p=None, top_k=None)
-    runtime = _ar_runtime(target, eot)
+    if opts.max_prompt_tokens is not None:
+        def fits(item) -> bool:
+            prompt = _render(tok, item[1] + item[2][:1], opts.chat_template, opts.enable_thinking,
+                             add_generation_prompt=True)
+            return len(tok(prompt, add_special_tokens=False)["input_ids"]) <= opts.max_prompt_tokens
+        kept = [item for item in todo if fits(item)]
+        long_prompts, todo = len(todo) - len(kept), kept
+    todo.sort(key=lambda t: -len(t[2][0]["content"]))
+    return todo, long_prompts
+
+
+def _answer_batch(batch: list, tok, answer: _Answerer, opts: AnswerOptions, limit: int | None, seed: int
+                  ) -> tuple[list[list[dict]], int]:
+    """Each conversation's history with the target's answers, turn by turn (a conversation with no room left
+    in the target's positions stops at its previous turn), and the new tokens generated."""
+    hist = [list(sys_msg) for _, sys_msg, _ in batch]
+    alive = list(range(len(batch)))
+    new_tokens = 0
+    for turn in range(opts.max_turns):
+        rows = [i for i in alive if turn < len(batch[i][2])]
+        for i in rows:
+            hist[i].append(batch[i][2][turn])
+        if not rows:
+            break
+        prompts = tok([_render(tok, hist[i], opts.chat_template, opts.enable_thinking, add_generation_prompt=True)
+                       for i in rows], add_special_tokens=False)["input_ids"]
+        if limit is not None:  # no room to answer: stop this conversation at the previous turn
+            over = [i for i, p in zip(rows, prompts) if len(p) + opts.max_new_tokens > limit]
+            for i in over:
+                hist[i].pop()
+                alive.remove(i)
+            prompts = [p for i, p in zip(rows, prompts) if i not in over]
+            rows = [i for i in rows if i not in over]
+            if not rows:
+                break
+        for i, ids in zip(rows, answer(prompts, seed)):
+            new_tokens += len(ids)
+            hist[i].append({"role": "assistant", "content": tok.decode(ids, skip_special_tokens=True).strip()})
+    return hist, new_tokens
+
+
+def regenerate(target, convs: list[Conversation], out_path: str, opts: AnswerOptions | None = None
+               ) -> list[Conversation]:
+    """Replace assistant turns with the target's own answers (draft heads learn the target's distribution).
+
+    Keeps the leading system message and the first `max_turns` user turns, answering each in order with
+    the regenerated history. Resumable: finished conversations are appended to `out_path` (flushed per
+    batch) and ids already there are skipped. Returns the regenerated conversations of `convs` (input order).
+    """
+    import torch
+
+    opts = opts or AnswerOptions()
+    if opts.max_turns < 1 or opts.batch_size < 1 or opts.max_new_tokens < 1:
+        raise ValueError("max_turns, batch_size and max_new_tokens must be >= 1")
+    tok = target.tokenizer
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = _read_done(out)
+    todo, long_prompts = _prompts_to_answer(tok, convs, done, opts)
+    if long_prompts:
+        print(f"regenerate: {long_prompts} conversations keep their original answers: first prompt longer than "
+              f"max_prompt_tokens={opts.max_prompt_tokens}", flush=True)
+    answer = _Answerer(target, opts)
+    limit = getattr(target.model.config, "max_position_embeddings", None)
     side, tok.padding_side = tok.padding_side, "left"
     too_long, new_tokens, t0 = 0, 0, time.time()
     try:
         with open(out, "ab") as f, tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True) as bar:
-            for b in range(0, len(todo), batch_size):
-                batch = todo[b:b + batch_size]
-                hist = [list(sys_msg) for _, sys_msg, _ in batch]
-                alive = list(range(len(batch)))
-                torch.manual_seed(seed + b)
-                for turn in range(max_turns):
-                    rows, prompts = [], []
-                    for i in alive:
-                        if turn < len(batch[i][2]):
-                            hist[i].append(batch[i][2][turn])
-                            rows.append(i)
-                    if not rows:
-                        break
-                    prompts = tok([_render(tok, hist[i], chat_template, enable_thinking, add_generation_prompt=True)
-                                   for i in rows], add_special_tokens=False)["input_ids"]
-                    if limit is not None:  # no room to answer: stop this conversation at the previous turn
-                        over = [i for i, p in zip(rows, prompts) if len(p) + max_new_tokens > limit]
-                        for i in over:
-                            hist[i].pop()
-                            alive.remove(i)
-                        prompts = [p for i, p in zip(rows, prompts) if i not in over]
-                        rows = [i for i in rows if i not in over]
-                        if not rows:
-                            break
-                    if runtime is not None:  # our batched loop: finished rows leave the batch
-                        spec = SpecConfig(mode="ar", temperature=temperature, top_p=top_p, seed=seed + b,
-                                          batch_size=len(prompts))
-                        answers = [r.tokens for r in runtime.generate(prompts, max_new_tokens, spec)]
-                    else:
-                        enc = tok.pad({"input_ids": prompts}, padding=True, return_tensors="pt").to(model.device)
-                        with torch.no_grad():
-                            gen = model.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
-                                                 **gen_kw)
-                        answers = gen[:, enc["input_ids"].shape[1]:].tolist()  # [B, new]
-                    for i, ids in zip(rows, answers):
-                        stop = next((k for k, t in enumerate(ids) if t in eot), None)
-                        ids = ids if stop is None else ids[:stop + 1]
-                        new_tokens += len(ids)
-                        hist[i].append({"role": "assistant",
-                                        "content": tok.decode(ids, skip_special_tokens=True).strip()})
+            for b in range(0, len(todo), opts.batch_size):
+                batch = todo[b:b + opts.batch_size]
+                torch.manual_seed(opts.seed + b)
+                hist, n = _answer_batch(batch, tok, answer, opts, limit, opts.seed + b)
+                new_tokens += n
                 lines = []
                 for (cid, _, _), h in zip(batch, hist):
                     if any(m["role"] == "assistant" for m in h):
-                        c = Conversation(cid, h)
-                        done[cid] = c
-                        lines.append(_conv_line(c))
+                        done[cid] = Conversation(cid, h)
+                        lines.append(_conv_line(done[cid]))
                     else:
                         too_long += 1
                 f.write(b"".join(lines))

@@ -18,7 +18,7 @@ from types import FrameType
 
 import torch
 
-from trainer.dist import Dist, all_reduce_sum
+from drafthead.trainer.dist import Dist, all_reduce_sum
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from drafthead.target import Target
-from trainer import data as D
-from trainer.config import RunConfig
-from trainer.dist import Dist, barrier
+from drafthead.trainer import data as tdata
+from drafthead.trainer.config import RunConfig
+from drafthead.trainer.dist import Dist, barrier
 
 
 @dataclass
@@ -25,13 +25,14 @@ class Prepared:
 def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=print) -> Prepared:
     dc = cfg.data
     # max_samples caps the training conversations; the held-out ones are read in addition
-    convs, stats = D.load_conversations(dc.dataset, None if dc.max_samples is None else dc.max_samples + dc.num_holdout)
+    most = None if dc.max_samples is None else dc.max_samples + dc.num_holdout
+    convs, stats = tdata.load_conversations(dc.dataset, most)
     if d.main:
         log(stats.summary(dc.dataset))
     if len(convs) <= dc.num_holdout:
         raise ValueError(f"data.dataset={dc.dataset!r} has {len(convs)} usable conversations, not more than "
                          f"data.num_holdout={dc.num_holdout}: nothing left to train on")
-    train_convs, held_convs = D.split_holdout(convs, dc.num_holdout, dc.split_seed)
+    train_convs, held_convs = tdata.split_holdout(convs, dc.num_holdout, dc.split_seed)
     regen_held = dc.regenerate.enabled and dc.regenerate.heldout
     if dc.regenerate.enabled:
         if regen_held:  # every held-out prompt, whatever `fraction` says
@@ -40,9 +41,9 @@ def prepare_samples(cfg: RunConfig, target: Target, d: Dist, run_dir: Path, log=
     key = f"{dc.dataset}|{target.name_or_path}|{dc.max_samples}|{dc.split_seed}|{dc.num_holdout}"
     kw = dict(max_length=dc.max_length, overlong=dc.overlong, chat_template=dc.chat_template,
               enable_thinking=dc.enable_thinking)
-    train, tstats = D.tokenize_conversations(target.tokenizer, train_convs,
+    train, tstats = tdata.tokenize_conversations(target.tokenizer, train_convs,
                                              cache_key=None if dc.regenerate.enabled else key + "|train", **kw)
-    held, hstats = D.tokenize_conversations(target.tokenizer, held_convs, **kw,
+    held, hstats = tdata.tokenize_conversations(target.tokenizer, held_convs, **kw,
                                             cache_key=None if regen_held else key + "|heldout")
     if d.main:
         log(tstats.summary("train tokens"))
@@ -62,12 +63,13 @@ def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: P
     out = run_dir / f"regenerated-{tag}{digest}.jsonl"
     if d.main:
         log(f"regenerating {len(chosen)} of {len(convs)} conversations with the target -> {out}")
-        D.regenerate(target, chosen, str(out), max_new_tokens=rc.max_new_tokens, temperature=rc.temperature,
-                     top_p=rc.top_p, batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
-                     chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking,
-                     max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1))
+        opts = tdata.AnswerOptions(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                                   batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
+                                   chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking,
+                                   max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1))
+        tdata.regenerate(target, chosen, str(out), opts)
     barrier(d)
-    regen = {c.id: c for c in D.read_jsonl(out)}
+    regen = {c.id: c for c in tdata.read_jsonl(out)}
     return [regen.get(c.id, c) if i in pick else c for i, c in enumerate(convs)]
 
 
@@ -80,7 +82,8 @@ class DraftSetup:
     t2d: torch.Tensor | None
 
 
-def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch.device, log=print) -> DraftSetup:
+def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch.device, log=print,
+                heldout: list[dict] = ()) -> DraftSetup:
     """Draft vocabulary from the loss-masked training tokens (families with a reduced vocabulary; the others
     predict the full one), then the drafter built and initialised from the target, and the teacher head
     over its vocabulary."""
@@ -102,7 +105,7 @@ def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch
         with torch.no_grad():
             drafter.d2t.copy_(d2t)
             drafter.t2d.copy_(t2d)
-    problems = drafter.check_data(train)
+    problems = drafter.check_data([*train, *heldout])  # held-out batches go through the same forward
     if problems:
         raise ValueError("; ".join(problems))
     init = fam.init(drafter, target, options)

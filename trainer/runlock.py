@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from drafthead.io import writing
-from trainer.dist import Dist, all_reduce_sum
+from drafthead.trainer.dist import Dist, all_reduce_sum
 
 LOCK_NAME = ".drafthead.lock"
 

@@ -94,10 +94,10 @@ def main(argv: list[str]) -> int:
     """`drafthead export draft=DIR to=FORMAT out=PATH [target=..] [option=value ...]`."""
     from omegaconf import OmegaConf
 
-    bad = [a for a in argv if "=" not in a]
-    if bad:
-        raise ExportError(f"arguments must be key=value, got {bad}")
-    args = OmegaConf.to_container(OmegaConf.from_dotlist(list(argv)))
+    from drafthead.cli import key_values
+
+    pairs = key_values(list(argv), ExportError)
+    args = OmegaConf.to_container(OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs.items()]))
     missing = [k for k in ("draft", "to", "out") if args.get(k) in (None, "")]
     if missing:
         per_family = "; ".join(f"{name}: {'|'.join(fam.exporters)}" for name, fam in FAMILIES.items())

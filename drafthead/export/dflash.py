@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from drafthead.dflash import DflashConfig
+from drafthead.dflash import DflashConfig, mask_token_problem
 from drafthead.export.common import (GGUF_FINGERPRINT_KEY, ExportError, TargetInfo, cast_state, check_gguf_out,
                                      resolve_target, target_fingerprint, write_hf_dir)
 from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, write_atomic, write_tensors
@@ -60,8 +60,8 @@ def check_target(cfg: DflashConfig, t: TargetInfo) -> None:
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_hidden_layers - 1]
     if bad:
         raise ExportError(f"target layer ids {bad} out of range for a target with {t.num_hidden_layers} layers")
-    if not 0 <= cfg.mask_token_id < t.vocab_size:
-        raise ExportError(f"mask_token_id {cfg.mask_token_id} is outside the target's vocabulary ({t.vocab_size})")
+    if (bad_mask := mask_token_problem(cfg.mask_token_id, t.vocab_size)) is not None:
+        raise ExportError(bad_mask)
 
 
 def hf_config(cfg: DflashConfig) -> dict:

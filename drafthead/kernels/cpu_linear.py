@@ -38,10 +38,10 @@ from drafthead import hardware
 _SOURCES = {"bf16": Path(__file__).with_name("cpu_linear.cpp"),
             "fp32": Path(__file__).with_name("cpu_linear_avx2.cpp")}
 # -ffp-contract=off: GCC otherwise fuses the int8 path's scale multiply and bias add into an FMA in some
-# tile shapes and not others, and a row's bits then depended on the row count (measured)
-# -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers; compiled without it, every call ran on one
-# thread whatever torch.set_num_threads said (measured: the bf16 projections took 11-31% less time with it at
-# 1-16 rows on 2 threads). The extension then shares torch's own libgomp (same soname, already loaded).
+# tile shapes and not others, and a row's bits then depended on the row count
+# -fopenmp: at::parallel_for is OpenMP inlined from ATen's headers; compiled without it, every call runs on one
+# thread whatever torch.set_num_threads says. The extension then shares torch's own libgomp (same soname,
+# already loaded).
 _CFLAGS = {"bf16": ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
            "fp32": ["-O3", "-fopenmp", "-mavx2", "-mfma", "-ffp-contract=off"]}
 KINDS = tuple(_SOURCES)

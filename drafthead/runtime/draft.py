@@ -15,7 +15,7 @@ reduced vocabulary reports its full vocabulary as the "draft vocabulary" (`draft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -35,6 +35,75 @@ class Proposal:
     depth: torch.Tensor  # [B] draft tokens along the deepest path (= num_drafted)
     draft_probs: torch.Tensor | None = None  # [B, N, V] distribution each node was sampled from (chains)
     is_chain: bool = True  # every row is a chain (parents[i] = i - 1)
+
+
+class ChainDraft(NamedTuple):
+    """What a drafter's `chain(k, ...)` proposes: k drafts a request, the distributions they were sampled from,
+    and how many of them each request keeps (None: all k; a drafter with a confidence stop cuts some short)."""
+    drafts: torch.Tensor  # [B, k] target ids
+    q: torch.Tensor | None = None  # [B, k, V] when sampled
+    lengths: torch.Tensor | None = None  # [B] drafts kept, <= k
+
+
+def run_chain(first: Any, step_runner: Callable[[int], Any], k: int, temperature: float, top_p: float,
+              gen: torch.Generator | None) -> ChainDraft:
+    """k draft tokens per request from `first`'s last prefix entry, greedy or sampled; draft j's entry is
+    decoded by `step_runner(j)` (the runner itself for a one-module draft, module (j + 1) % M for a
+    multi-module one) at position lens + j, after that runner's own entries of this round."""
+    logits, h = first.logits, first.hidden  # [B, V], [B, H]
+    B, dev = logits.shape[0], logits.device
+    drafts, qs = [], []
+    for j in range(k):
+        if temperature > 0:
+            q = probs(logits, temperature, top_p)  # [B, V]
+            d = sample(q, torch.rand(B, generator=gen, device=dev))
+            qs.append(first.full_probs(q))
+        else:
+            d = greedy(logits)  # [B]
+        drafts.append(d)
+        if j == k - 1:
+            break
+        r = step_runner(j)
+        lg, out = r.decode(r.to_target(d)[:, None], h[:, None], (first.lens + j)[:, None])
+        logits, h = lg[:, 0], out[:, 0]
+    return ChainDraft(first.to_target(torch.stack(drafts, dim=1)), torch.stack(qs, dim=1) if qs else None)
+
+
+NGRAM_STACK_FACTOR = 2  # a stacked n-gram chain may be this many times longer than the drafter's proposal
+
+
+@dataclass(frozen=True)
+class DraftMode:
+    """One drafting mode as a family offers it. A drafter's `draft_modes` maps mode names to these (the first is
+    its default) and the runtime dispatches through that table, so a new proposal shape is code in the family's
+    file: its draft state's method, a `propose` that calls it, the mode entry."""
+    propose: Callable[..., Proposal]  # (draft state, roots [B], lengths [B], spec, gen) -> Proposal
+    max_nodes: Callable[[Any], int]  # spec -> nodes one round verifies besides the root (sizes the cache)
+    ngram_cap: Callable[[Any], int]  # spec -> the longest n-gram chain stacked onto this mode's proposal
+    check: Callable[[Any, Any], str | None] = lambda spec, drafter: None  # a problem with spec for this drafter
+
+
+def tree_budget(spec: Any) -> int:
+    """Nodes an EAGLE-2 tree keeps: the pool holds topk + (depth-1)*topk^2 candidates."""
+    return min(spec.tree_nodes, spec.topk + (spec.num_draft_tokens - 1) * spec.topk ** 2)
+
+
+def propose_chain(state: Any, roots: torch.Tensor, lengths: torch.Tensor, spec: Any,
+                  gen: torch.Generator | None) -> Proposal:
+    got = state.chain(int(lengths.max()), spec.temperature, spec.top_p, gen)
+    if got.lengths is not None:  # the drafter stopped some requests early (its confidence stop)
+        lengths = torch.minimum(lengths, got.lengths)
+    return chain_proposal(roots, got.drafts, lengths, got.q)
+
+
+def propose_tree(state: Any, roots: torch.Tensor, lengths: torch.Tensor, spec: Any,
+                 gen: torch.Generator | None) -> Proposal:
+    return state.tree(roots, spec.topk, int(lengths.max()), tree_budget(spec), lengths if spec.adaptive else None)
+
+
+CHAIN = DraftMode(propose_chain, lambda spec: spec.num_draft_tokens,
+                  lambda spec: NGRAM_STACK_FACTOR * spec.num_draft_tokens)
+TREE = DraftMode(propose_tree, tree_budget, tree_budget)  # the n-gram chain then costs what the tree would
 
 
 def chain_proposal(roots: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor,
@@ -182,27 +251,10 @@ class DraftRunner:
         self.lens = self.lens + counts
 
     @torch.inference_mode()
-    def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k draft tokens per request, greedy or sampled. Returns (drafts [B, k] target ids, q [B, k, V] | None)."""
-        logits, h = self.logits, self.hidden  # [B, N], [B, H]
-        B, dev = logits.shape[0], logits.device
-        drafts, qs = [], []
-        for j in range(k):
-            if temperature > 0:
-                q = probs(logits, temperature, top_p)  # [B, N]
-                d = sample(q, torch.rand(B, generator=gen, device=dev))
-                qs.append(self.full_probs(q))
-            else:
-                d = greedy(logits)  # [B]
-            drafts.append(d)
-            if j == k - 1:
-                break
-            # draft j's entry sits at position lens + j and sees the prefix and drafts 0..j
-            lg, out = self.decode(self.to_target(d)[:, None], h[:, None], (self.lens + j)[:, None])
-            logits, h = lg[:, 0], out[:, 0]
-        drafts = self.to_target(torch.stack(drafts, dim=1))  # [B, k]
-        return drafts, (torch.stack(qs, dim=1) if qs else None)
+    def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None) -> ChainDraft:
+        """k draft tokens per request, greedy or sampled; draft j's entry sits at position lens + j and sees
+        the prefix and drafts 0..j."""
+        return run_chain(self, lambda j: self, k, temperature, top_p, gen)
 
     @torch.inference_mode()
     def tree(self, roots: torch.Tensor, topk: int, depth: int, budget: int,
@@ -291,29 +343,11 @@ class ModuleChainRunner:
             r.extend(tokens, feats, counts)
 
     @torch.inference_mode()
-    def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k draft tokens per request (see `DraftRunner.chain`). Returns (drafts [B, k], q [B, k, V] | None)."""
-        first = self.runners[0]
-        logits, h = first.logits, first.hidden  # [B, V], [B, H] from module 0's last prefix entry
-        B, dev = logits.shape[0], logits.device
-        drafts, qs = [], []
-        for j in range(k):
-            if temperature > 0:
-                q = probs(logits, temperature, top_p)  # [B, V]
-                d = sample(q, torch.rand(B, generator=gen, device=dev))
-                qs.append(first.full_probs(q))
-            else:
-                d = greedy(logits)  # [B]
-            drafts.append(d)
-            if j == k - 1:
-                break
-            # draft j's entry sits at position lens + j in module (j + 1) % M, after that module's own entries
-            r = self.runners[(j + 1) % len(self.runners)]
-            lg, out = r.decode(r.to_target(d)[:, None], h[:, None], (first.lens + j)[:, None])  # sees all of its own
-            logits, h = lg[:, 0], out[:, 0]
-        drafts = first.to_target(torch.stack(drafts, dim=1))  # [B, k]
-        return drafts, (torch.stack(qs, dim=1) if qs else None)
+    def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None) -> ChainDraft:
+        """k draft tokens per request (see `run_chain`): module 0's last prefix entry drafts the first, and
+        draft j's entry goes to module (j + 1) % M, after that module's own entries."""
+        return run_chain(self.runners[0], lambda j: self.runners[(j + 1) % len(self.runners)], k, temperature,
+                         top_p, gen)
 
 
 def select_nodes(roots: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, parent: torch.Tensor,

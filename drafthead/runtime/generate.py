@@ -26,10 +26,8 @@ from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import greedy, probs, sample
 from drafthead.target import Target
 
-MODES = ("ar", "chain", "tree", "ngram", "block")
-DRAFTER_MODES = ("chain", "tree", "block")  # the modes that need a trained drafter
+OWN_MODES = ("ar", "ngram")  # the modes the runtime runs without a drafter; the others are each drafter's table
 EMA_ALPHA = 0.2  # weight of the newest round in the acceptance EMA (SGLang's adaptive default)
-NGRAM_STACK_FACTOR = 2  # a stacked n-gram chain may be this many times longer than the drafter's proposal
 # KV slots kept past the longest request. Attention spans the whole cache (batch invariance, see
 # runtime/model.py), so AR and speculative runs must size it alike: with verify blocks of at most this
 # many nodes they do, and their greedy outputs are then bitwise equal in bf16.
@@ -135,16 +133,15 @@ class SpeculativeGenerator:
         return results
 
     def check(self, prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig) -> None:
-        if spec.mode not in MODES:
-            raise ValueError(f"unknown spec mode {spec.mode!r} (choose from {', '.join(MODES)})")
-        if spec.mode in DRAFTER_MODES and self.drafter is None:
-            raise ValueError(f"spec mode {spec.mode!r} needs a drafter (or use mode 'ngram' / 'ar')")
-        if spec.mode in DRAFTER_MODES and spec.mode not in self.drafter.draft_modes:
-            raise ValueError(f"spec mode {spec.mode!r}: this {self.drafter.family} draft drafts "
-                             f"{', '.join(self.drafter.draft_modes)} only")
-        if spec.mode == "block" and spec.num_draft_tokens > self.drafter.config.num_draft_tokens:
-            raise ValueError(f"spec.num_draft_tokens={spec.num_draft_tokens}: a block of this draft has "
-                             f"{self.drafter.config.num_draft_tokens} draft slots")
+        if spec.mode not in OWN_MODES:
+            if self.drafter is None:
+                raise ValueError(f"spec mode {spec.mode!r} needs a drafter (or use mode 'ngram' / 'ar')")
+            if spec.mode not in self.drafter.draft_modes:
+                raise ValueError(f"unknown spec mode {spec.mode!r}: this {self.drafter.family} draft drafts "
+                                 f"{', '.join(self.drafter.draft_modes)} only (without it: {', '.join(OWN_MODES)})")
+            problem = self.drafter.draft_modes[spec.mode].check(spec, self.drafter)
+            if problem:
+                raise ValueError(problem)
         for name in ("num_draft_tokens", "tree_nodes", "topk", "batch_size", "ngram_n"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"spec.{name} must be >= 1, got {getattr(spec, name)}")
@@ -186,15 +183,13 @@ class _Session:
         self.t0 = time.perf_counter()
         self.dev = g.device
         B = len(reqs)
-        self.use_drafter = spec.mode in DRAFTER_MODES
+        self.use_drafter = spec.mode not in OWN_MODES
         self.use_ngram = spec.mode == "ngram" or (self.use_drafter and spec.ngram)
-        # longest drafter proposal along one path, verify nodes per round, n-gram proposal cap
-        if spec.mode == "tree":
-            self.max_len, self.max_nodes = spec.num_draft_tokens, self.tree_budget()
-            self.ngram_cap = self.max_nodes  # the n-gram chain then costs what the tree would
-        elif spec.mode in ("chain", "block"):
-            self.max_len = self.max_nodes = spec.num_draft_tokens
-            self.ngram_cap = NGRAM_STACK_FACTOR * spec.num_draft_tokens
+        # the drafter's entry for this mode; longest proposal along one path, verify nodes per round, n-gram cap
+        self.mode = g.drafter.draft_modes[spec.mode] if self.use_drafter else None
+        if self.mode is not None:
+            self.max_len, self.max_nodes = spec.num_draft_tokens, self.mode.max_nodes(spec)
+            self.ngram_cap = self.mode.ngram_cap(spec)
         else:
             self.max_len = self.max_nodes = 0
             self.ngram_cap = spec.num_draft_tokens if spec.mode == "ngram" else 0
@@ -337,25 +332,12 @@ class _Session:
             prop = chain_proposal(self.roots, torch.zeros(B, 0, dtype=torch.long, device=self.dev),
                                   torch.zeros(B, dtype=torch.long, device=self.dev))
             lengths = lengths * 0
-        elif spec.mode == "chain":
-            drafts, q, *cut = self.draft.chain(int(lengths.max()), spec.temperature, spec.top_p, self.gen)
-            if cut:  # the drafter stopped some requests early (its confidence stop)
-                lengths = torch.minimum(lengths, cut[0])
-            prop = chain_proposal(self.roots, drafts, lengths, q)
-        elif spec.mode == "block":  # one draft forward proposes every slot at once
-            drafts, q = self.draft.block(self.roots, int(lengths.max()), spec.temperature, spec.top_p, self.gen)
-            prop = chain_proposal(self.roots, drafts, lengths, q)
-        else:
-            prop = self.draft.tree(self.roots, spec.topk, int(lengths.max()), self.tree_budget(),
-                                   lengths if spec.adaptive else None)
+        else:  # the drafter's own table: chain, tree, block, or whatever its family adds
+            prop = self.mode.propose(self.draft, self.roots, lengths, spec, self.gen)
         if self.use_ngram:
             use = [len(g) > int(n) for g, n in zip(grams, prop.depth)]
             prop = merge_ngram(prop, grams, use)
         return prop
-
-    def tree_budget(self) -> int:
-        s = self.spec  # the pool holds topk + (depth-1)*topk^2 candidates
-        return min(s.tree_nodes, s.topk + (s.num_draft_tokens - 1) * s.topk ** 2)
 
     def verify(self, prop: Proposal, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Greedy match or rejection sampling over the proposal. logits [B, N, V] at every node.

@@ -95,9 +95,9 @@ class TargetModel:
         # (fp32 math for fp32 and bf16 tokens, one call each) where they run; else torch's, and SDPA calls of a
         # fixed query count for attention (`attend`)
         self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
-        # prompts through the decode kernels too, except on AMX CPUs, whose oneDNN tiles are built for many rows
-        # (not measured against the kernels there). On the AVX512-BF16 EPYC a 300-token SmolLM2 prompt took 155 ms
-        # against 470 ms through oneDNN in bf16, 430 against 700 ms in fp32.
+        # prompts through the decode kernels too (faster than oneDNN for prompts on the AVX512-BF16 and AVX2 classes:
+        # docs/experiment_log.md, "Figures behind code choices"), except on AMX CPUs, whose oneDNN tiles are built
+        # for many rows (not measured against the kernels there)
         self.prompt_kernel = self.decode_ops and hardware.cpu_class() != "AMX"
         self.silu = getattr(c, "hidden_act", None) == "silu"
         # generated tokens' layers in one call each (`cpu_linear.decode_layer`: the same kernels and ops, the same

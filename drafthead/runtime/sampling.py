@@ -25,11 +25,11 @@ def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim: logits [..., V] -> ids [...]. On CPU through the extension's vector scan (the same
-    index as torch.argmax): over a bf16 row of SmolLM2's 49152 logits, 5.5 us against 40 us for torch's argmax
-    widened to fp32 and 180 us unwidened (AVX512-BF16 EPYC), paid once a greedy step and once per verified node."""
+    index as torch.argmax), several times faster than torch's over a vocab-wide row (docs/experiment_log.md,
+    "Figures behind code choices"); paid once a greedy step and once per verified node."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and cpu_linear.available("fp32"):
         return cpu_linear.argmax(logits)
-    return logits.float().argmax(-1)  # exact widening, same index; CPU argmax over bf16 ran ~2.5x slower
+    return logits.float().argmax(-1)  # exact widening, same index; torch's CPU argmax over bf16 is the slower path
 
 
 def sample(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
