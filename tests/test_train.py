@@ -248,7 +248,10 @@ def test_retain_freed_memory_keeps_big_frees_in_the_heap():
     DRAFTHEAD_MALLOC_RETAIN=0 turns it off."""
     code = (
         "import resource, torch\n"
-        "from drafthead.trainer.memory import retain_freed_memory\n"
+        # the trainer's own imports first: it calls this after them (trainer/run.py), and the heap's layout
+        # they leave decides whether glibc can reuse a freed 64 MB block in place (after `import torch` alone
+        # it could not here, and every use faulted again)
+        "from drafthead.trainer.run import retain_freed_memory\n"
         "on = retain_freed_memory()\n"
         "torch.empty(16 << 20).fill_(1)\n"  # first use of 64 MB: faults either way
         "r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
