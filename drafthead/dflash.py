@@ -20,12 +20,14 @@ Conventions (pinned by tests):
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from drafthead.family import Family, OwnLayers
 from drafthead.layers import RMSNorm, SwiGLU, apply_rope, decoder_layer_shape, given, rope_cos_sin, soft_cross_entropy
@@ -40,7 +42,11 @@ class DflashOptions:
     block_size: int = 8  # B: the last verified token + B-1 mask slots, drafted in one forward
     mask_token_id: int | None = None  # a row of the target's embedding that never occurs in the data (required)
     target_layer_ids: list[int] | None = None  # outputs of these target layers (z-lab); null = z-lab's spacing
-    num_anchors: int = 512  # blocks per sequence and step, at most (non-overlapping)
+    num_anchors: int = 512  # blocks per sequence and step, at most
+    # dense: anchors may overlap (each block still sees only the context before its own anchor), as the reference
+    # trains; false: no two blocks overlap (at most T / B of them), which starves the slots of supervision
+    overlap_anchors: bool = True
+    anchor_chunk: int = 64  # anchors per forward piece: bounds the training memory, the math is the same
     loss_decay_gamma: float | None = None  # slot k weight exp(-(k-1)/gamma); null: 7 for B >= 16, else 4
     labels: str = "soft"  # soft = the target's distribution (distillation); hard = the data token
     intermediate_size: int | None = None  # null = the target's
@@ -55,7 +61,9 @@ class DflashOptions:
             raise ValueError("mask_token_id: required (a token id of the target's vocabulary that never occurs in "
                              "the training data; see docs/dflash.md)")
         if self.num_anchors < 1:
-            raise ValueError("num_anchors: must be >= 1")
+            raise ValueError(f"num_anchors: {self.num_anchors} (must be >= 1)")
+        if self.anchor_chunk < 1:
+            raise ValueError(f"anchor_chunk: {self.anchor_chunk} (must be >= 1)")
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
         if self.labels not in LABELS:
@@ -95,6 +103,8 @@ class DflashConfig:
     num_anchors: int = 512
     loss_decay_gamma: float = 4.0
     labels: str = "soft"
+    overlap_anchors: bool = True
+    anchor_chunk: int = 64
 
     @property
     def num_draft_tokens(self) -> int:
@@ -269,44 +279,74 @@ class DflashDrafter(OwnLayers, nn.Module):
         c = self.config
         Bk, dev = c.block_size, input_ids.device
         B, T = input_ids.shape
+        K = Bk - 1
         gen = None if self.training else torch.Generator().manual_seed(0)  # held-out blocks: the same every eval
-        anchors, valid = sample_anchors(loss_mask, Bk, c.num_anchors, gen)  # [B, A] each
+        anchors, valid = sample_anchors(loss_mask, Bk, c.num_anchors, gen, c.overlap_anchors)  # [B, A] each
         A = anchors.shape[1]
-        out = self.anchor_blocks(input_ids, aux_hidden, anchors, valid)[:, :, 1:]  # [B, A, Bk-1, H] the mask slots
+        ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))  # once for all
 
-        lab = anchors[:, :, None] + torch.arange(1, Bk, device=dev)  # [B, A, Bk-1] position each slot predicts
+        lab = anchors[:, :, None] + torch.arange(1, Bk, device=dev)  # [B, A, K] position each slot predicts
         inside = lab < T
         lab = lab.clamp(max=T - 1)
         ok = valid[:, :, None] & inside & loss_mask.gather(1, lab.flatten(1)).view_as(lab).bool()
-        tgt = target_argmax.gather(1, (lab - 1).flatten(1)).view_as(lab)  # [B, A, Bk-1] target argmax at lab
+        tgt = target_argmax.gather(1, (lab - 1).flatten(1)).view_as(lab)  # [B, A, K] target argmax at lab
         ok = ok & (tgt >= 0)
-        b_idx, a_idx, k_idx = ok.nonzero(as_tuple=True)  # M supervised slots
+        weighted, weights = torch.zeros((), device=dev), torch.zeros((), device=dev)
+        step_loss, count, correct = (torch.zeros(K, device=dev) for _ in range(3))
+        slot_hit = torch.zeros(B, A, K, dtype=torch.bool, device=dev)
+        # pieces of anchor_chunk anchors: blocks never see each other, so each piece is its own forward; in
+        # training each piece is recomputed in the backward, so only one piece's activations and [M, V] logits
+        # are alive at a time, whatever num_anchors is
+        piece = self._piece_ce
+        if torch.is_grad_enabled():
+            piece = functools.partial(checkpoint, self._piece_ce, use_reentrant=False)
+        for s in range(0, A, c.anchor_chunk):
+            sl = slice(s, s + c.anchor_chunk)
+            b_idx, a_idx, k_idx = ok[:, sl].nonzero(as_tuple=True)  # M supervised slots of this piece
+            if b_idx.numel() == 0:
+                continue
+            rows = b_idx * T + lab[:, sl][b_idx, a_idx, k_idx] - 1  # teacher row: the target at position lab-1
+            ce, top = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, k_idx, rows, teacher_probs,
+                            *[t for kv in ctx_kv for t in kv])  # [M] each
+            w = torch.exp(-k_idx.float() / c.loss_decay_gamma)  # slot k_idx+1: exp(-(k-1)/gamma)
+            weighted, weights = weighted + (ce * w).sum(), weights + w.sum()
+            hit = top == tgt[:, sl][b_idx, a_idx, k_idx]  # [M]
+            step_loss.index_add_(0, k_idx, ce.detach().float())
+            count.index_add_(0, k_idx, torch.ones_like(ce, dtype=torch.float32))
+            correct.index_add_(0, k_idx, hit.float())
+            slot_hit[b_idx, a_idx + s, k_idx] = hit
+        loss = weighted / weights.clamp(min=1e-6)
+        # greedy block acceptance: the run of correct slots from slot 1 (an unsupervised slot ends it)
+        run = slot_hit.long().cumprod(-1)  # [B, A, K] 1 while every slot so far was right
+        accepted = run.sum(-1)  # [B, A]
+        # P(slot k right | slots < k right) over blocks whose slot k is supervised: independent guesses (a starved
+        # block drafter) show as slot-1 accuracy ~ this ratio at every k; a drafter that conditions well, higher
+        before = torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1).bool() & ok  # [B, A, K]
+        return {"loss": loss, "step_loss": step_loss / count.clamp(min=1), "correct": correct, "count": count,
+                "accept_len": (accepted * valid).sum().float(), "blocks": valid.sum().float(),
+                "cond_correct": (before & slot_hit).sum((0, 1)).float(), "cond_count": before.sum((0, 1)).float()}
+
+    def _piece_ce(self, input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, b_idx: torch.Tensor,
+                  a_idx: torch.Tensor, k_idx: torch.Tensor, rows: torch.Tensor, teacher_probs: torch.Tensor,
+                  *ctx_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Soft cross-entropy [M] and the draft's argmax [M] of the M supervised slots (b_idx, a_idx, k_idx) of
+        one piece of anchors; rows: the teacher row of each slot in the flattened [B*T] positions."""
+        c = self.config
+        ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
+        out = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[:, :, 1:]  # [B, a, K, H] mask slots
         logits = self.target_lm_head(out[b_idx, a_idx, k_idx])  # [M, V] (loss in fp32)
-        rows = b_idx * T + lab[b_idx, a_idx, k_idx] - 1  # teacher row: the target at position lab-1
         if c.labels == "soft":
             teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, V]
         else:
             teach = F.one_hot(input_ids.flatten().index_select(0, rows + 1), c.vocab_size).float()
-        ce = soft_cross_entropy(logits, teach)  # [M]
-        w = torch.exp(-k_idx.float() / c.loss_decay_gamma)  # slot k_idx+1: exp(-(k-1)/gamma)
-        loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
-        K = Bk - 1
-        hit = logits.detach().argmax(-1) == tgt[b_idx, a_idx, k_idx]  # [M]
-        step_loss = torch.zeros(K, device=dev).index_add_(0, k_idx, ce.detach().float())
-        count = torch.zeros(K, device=dev).index_add_(0, k_idx, torch.ones_like(ce, dtype=torch.float32))
-        correct = torch.zeros(K, device=dev).index_add_(0, k_idx, hit.float())
-        # greedy block acceptance: the run of correct slots from slot 1 (an unsupervised slot ends it)
-        slot_hit = torch.zeros(B, A, K, dtype=torch.bool, device=dev)
-        slot_hit[b_idx, a_idx, k_idx] = hit
-        accepted = slot_hit.long().cumprod(-1).sum(-1)  # [B, A]
-        return {"loss": loss, "step_loss": step_loss / count.clamp(min=1), "correct": correct, "count": count,
-                "accept_len": (accepted * valid).sum().float(), "blocks": valid.sum().float()}
+        return soft_cross_entropy(logits, teach), logits.detach().argmax(-1)
 
-
-    def anchor_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, anchors: torch.Tensor,
-                      valid: torch.Tensor) -> torch.Tensor:
+    def anchor_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor | None, anchors: torch.Tensor,
+                      valid: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                      ) -> torch.Tensor:
         """Every anchor's block in one forward: the normed output [B, A, Bk, H] of blocks
-        [x_a, MASK x (Bk-1)] at positions a..a+Bk-1, each seeing the context before a and its own block."""
+        [x_a, MASK x (Bk-1)] at positions a..a+Bk-1, each seeing the context before a and its own block.
+        ctx_kv: the per-layer context K/V of `aux_hidden` when the caller has them already."""
         c = self.config
         Bk, dev = c.block_size, input_ids.device
         B, T = input_ids.shape
@@ -320,17 +360,20 @@ class DflashDrafter(OwnLayers, nn.Module):
         same = torch.eye(A, dtype=torch.bool, device=dev)  # [A, A]
         mask = torch.cat([ctx_ok.repeat_interleave(Bk, dim=1),  # [B, A*Bk, T]
                           same.repeat_interleave(Bk, 0).repeat_interleave(Bk, 1).expand(B, -1, -1)], dim=-1)
-        ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
+        if ctx_kv is None:
+            ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
         out = self.block_hidden(block_ids.flatten(1), pos.flatten(1), ctx_kv, mask[:, None])  # [B, A*Bk, H]
         return out.view(B, A, Bk, -1)
 
 
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int,
-                   gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `num_anchors` non-overlapping block starts per row among positions t with loss_mask[t] and
-    loss_mask[t+1] (the first slot has a supervised target). Returns (anchors [B, A] sorted, valid [B, A]).
+                   gen: torch.Generator | None = None, overlap: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` block starts per row among positions t with loss_mask[t] and loss_mask[t+1] (the
+    first slot has a supervised target). Returns (anchors [B, A] sorted, valid [B, A]).
 
-    Random order, then greedy: a candidate is kept when no kept anchor lies within block_size of it."""
+    A random order of the candidates; `overlap`: the first num_anchors of it (distinct positions, blocks may
+    overlap, as the reference trains); else greedy: a candidate is kept when no kept anchor lies within
+    block_size of it."""
     B, T = loss_mask.shape
     m = loss_mask.bool().cpu()
     cand = torch.zeros(B, T, dtype=torch.bool)
@@ -339,6 +382,9 @@ def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int,
     for b in range(B):
         idx = cand[b].nonzero().flatten()
         order = idx[torch.randperm(idx.numel(), generator=gen)]
+        if overlap:
+            picks.append(sorted(order[:num_anchors].tolist()))
+            continue
         taken = torch.zeros(T + 2 * block_size, dtype=torch.bool)  # anchor s marks index s + block_size
         keep: list[int] = []
         for t in order.tolist():
@@ -463,6 +509,7 @@ def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_
     c = DflashConfig.from_target(tcfg, num_hidden_layers=options.num_layers, block_size=options.block_size,
                                  mask_token_id=options.mask_token_id, target_layer_ids=ids,
                                  intermediate_size=options.intermediate_size, num_anchors=options.num_anchors,
+                                 overlap_anchors=options.overlap_anchors, anchor_chunk=options.anchor_chunk,
                                  loss_decay_gamma=gamma, labels=options.labels)
     if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
         raise ValueError(f"drafter.dflash.{bad_mask.replace('mask_token_id ', 'mask_token_id: ', 1)}")

@@ -93,7 +93,8 @@ def test_reference_dflash_loads_our_export_and_gives_the_same_logits(qwen3, tiny
 
 def test_training_blocks_equal_inference_blocks(qwen3):
     """The training mask is the inference view: every anchor's block in the training forward gives the
-    logits of a fresh runner holding exactly the context before that anchor (nothing at or after it)."""
+    logits of a fresh runner holding exactly the context before that anchor (nothing at or after it), with
+    dense anchors whose blocks overlap."""
     drafter = make_drafter(qwen3, block_size=4)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, qwen3.config.vocab_size, (2, 24), generator=g)
@@ -101,6 +102,7 @@ def test_training_blocks_equal_inference_blocks(qwen3):
     mask[:, :5] = 0
     feats = capture(qwen3.model, ids, None, drafter.capture_layer_ids())[0]
     anchors, valid = sample_anchors(mask, 4, 64, torch.Generator().manual_seed(0))
+    assert (anchors[0, 1:] - anchors[0, :-1]).min() < 4  # blocks overlap
     with torch.no_grad():
         train = drafter.target_lm_head(drafter.anchor_blocks(ids, feats, anchors, valid)[:, :, 1:])  # [2, A, 3, V]
     checked = 0
@@ -118,18 +120,62 @@ def test_training_blocks_equal_inference_blocks(qwen3):
     assert checked >= 6
 
 
-def test_anchors_are_supervised_and_never_overlap():
+@pytest.mark.parametrize("overlap", [True, False])
+def test_anchors_are_supervised_distinct_and_capped(overlap):
+    """Dense: every supervised start up to num_anchors (blocks overlap); spaced: no two within a block."""
     g = torch.Generator().manual_seed(0)
     mask = (torch.rand(3, 200, generator=g) > 0.2).long()
     mask[2] = 0  # a row with nothing to supervise gets no anchor
-    anchors, valid = sample_anchors(mask, 8, 512, g)
+    anchors, valid = sample_anchors(mask, 8, 512, g, overlap)
     for b in range(3):
         a = anchors[b][valid[b]].tolist()
-        assert a == sorted(a) and all(y - x >= 8 for x, y in zip(a, a[1:]))
+        gap = 1 if overlap else 8
+        assert a == sorted(a) and all(y - x >= gap for x, y in zip(a, a[1:]))
         assert all(mask[b, t] and mask[b, t + 1] for t in a)
-    assert valid[2].sum() == 0 and valid[0].sum() >= 10
-    few, v = sample_anchors(mask, 8, 3, g)
+    starts = int((mask[0, :-1].bool() & mask[0, 1:].bool()).sum())
+    assert valid[2].sum() == 0 and (valid[0].sum() == starts if overlap else 10 <= valid[0].sum() <= 200 // 8 + 1)
+    few, v = sample_anchors(mask, 8, 3, g, overlap)
     assert v.sum(1).tolist()[:2] == [3, 3]  # num_anchors caps them
+
+
+@pytest.mark.parametrize("labels", ["soft", "hard"])
+def test_anchor_pieces_give_the_loss_and_gradients_of_one_forward(qwen3, labels):
+    """anchor_chunk only bounds memory: pieces of 3 anchors (recomputed in the backward) give the loss, the
+    metrics and the gradients of every anchor in one piece."""
+    from dataclasses import replace
+
+    from drafthead.target import TargetHead
+    from drafthead.trainer.step import teacher_targets
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, qwen3.config.vocab_size, (2, 40), generator=g)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[:, :6] = 0
+    mask[1, 30:] = 0
+    base = make_drafter(qwen3, block_size=4)
+    with torch.no_grad():
+        feats, last = capture(qwen3.model, ids, None, base.capture_layer_ids())
+        probs, argmax = teacher_targets(TargetHead(lm_head_weight(qwen3.model), None), last, mask)
+    runs = []
+    for chunk in (64, 3):
+        d = make_drafter(qwen3, block_size=4)
+        d.config = replace(d.config, anchor_chunk=chunk, labels=labels)
+        d.train()
+        torch.manual_seed(7)  # the same anchors
+        out = d(ids, feats, probs, argmax, mask)
+        out["loss"].backward()
+        runs.append((out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (one, g1), (pieces, g3) = runs
+    assert int(one["blocks"]) > 40 // 4  # dense: more blocks than fit side by side
+    torch.testing.assert_close(pieces["loss"], one["loss"], rtol=1e-5, atol=1e-6)
+    for k in ("correct", "count", "accept_len", "cond_correct", "cond_count"):
+        assert torch.equal(pieces[k], one[k]), k
+    assert g1.keys() == g3.keys() and len(g1) > 5
+    for n in g1:
+        torch.testing.assert_close(g3[n], g1[n], rtol=1e-4, atol=1e-6)
+    # the health counts: slot 1 is conditioned on nothing; a later slot on the run before it
+    assert torch.equal(one["cond_count"][0], one["count"][0]) and torch.equal(one["cond_correct"][0], one["correct"][0])
+    assert bool((one["cond_count"] <= one["count"]).all()) and bool((one["cond_correct"] <= one["cond_count"]).all())
 
 
 def test_layer_id_conventions_per_engine(qwen3, tiny_qwen3_dir, tmp_path):
@@ -175,6 +221,10 @@ def test_layer_id_conventions_per_engine(qwen3, tiny_qwen3_dir, tmp_path):
 def test_bad_mask_token_and_layers_are_named_errors(qwen3):
     with pytest.raises(ValueError, match="mask_token_id: required"):
         DflashOptions().validate()
+    with pytest.raises(ValueError, match=r"num_anchors: 0 \(must be >= 1\)"):
+        DflashOptions(mask_token_id=2, num_anchors=0).validate()
+    with pytest.raises(ValueError, match=r"anchor_chunk: 0 \(must be >= 1\)"):
+        DflashOptions(mask_token_id=2, anchor_chunk=0).validate()
     with pytest.raises(ValueError, match="mask_token_id: 9999 is not a row"):
         build(qwen3.config, DflashOptions(mask_token_id=9999), None, None)
     with pytest.raises(ValueError, match=r"target_layer_ids: \[3\] out of range"):

@@ -18,11 +18,18 @@ def test_gpu_check_dry_runs_every_section(tmp_path: Path) -> None:
                        capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert res["status"] == {s: "ok" for s in ("env", "kernels", "eagle3", "zero2", "dflash", "mtp", "runtime")}
+    from drafthead.kernels.triton_kernels import INTERPRETER_LOOPS_OVER_LOADS
+
+    kernels = res["status"].pop("kernels")
+    assert res["status"] == {s: "ok" for s in ("env", "eagle3", "zero2", "dflash", "mtp", "runtime")}
     s = res["sections"]
-    kinds = {r["kernel"] for r in s["kernels"]["rows"]}
-    assert kinds == {"tree_mask", "greedy_tree", "greedy_chain", "rejection_tree", "rejection_chain", "kv_compact"}
-    assert all(r["check"].startswith("ok") for r in s["kernels"]["rows"])
+    if not INTERPRETER_LOOPS_OVER_LOADS:  # an old Triton's interpreter (3.6): named, not failed
+        assert kernels.startswith("skipped: triton 3.") and "kernels" not in s
+    else:
+        assert kernels == "ok"
+        kinds = {r["kernel"] for r in s["kernels"]["rows"]}
+        assert kinds == {"tree_mask", "greedy_tree", "greedy_chain", "rejection_tree", "rejection_chain", "kv_compact"}
+        assert all(r["check"].startswith("ok") for r in s["kernels"]["rows"])
     for name in ("eagle3", "zero2", "dflash", "mtp"):
         assert s[name]["tokens_per_s"] > 0 and all(math.isfinite(x) for x in s[name]["losses"]), name
     assert s["zero2"]["engine"] == "deepspeed" and s["eagle3"]["engine"] == "torch"
@@ -32,7 +39,7 @@ def test_gpu_check_dry_runs_every_section(tmp_path: Path) -> None:
     assert all(c["equal_to_hf_greedy"] for c in s["runtime"]["lossless_fp64"])
     assert [r["T"] for r in s["runtime"]["verify_curve"]] == [1, 2, 4, 8]
     md = (tmp_path / "gpu_check.md").read_text()
-    assert "| runtime | ok |" in md and "| kernels | ok |" in md
+    assert "| runtime | ok |" in md and ("| kernels | ok |" in md or not INTERPRETER_LOOPS_OVER_LOADS)
 
 
 def test_gpu_check_without_a_gpu_says_so(tmp_path: Path) -> None:

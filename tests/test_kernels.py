@@ -41,15 +41,9 @@ def _interpreter():
     _set_interpret(previous)
 
 
-# Triton 3.6's interpreter turns a scalar that a kernel loaded into a 1-element array and cannot loop `range(1, n)`
-# over it (TypeError in its __index__); 3.9's can. The compiled kernels are unaffected: under triton 3.6 on an
-# H200 all 51 cases of scripts/gpu_check.py equal the PyTorch references (docs/benchmarks.md, "GPU check").
-INTERPRETER_LOOPS_OVER_LOADS = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
-
-
 @pytest.fixture(autouse=True)
 def _interpreter_can_run(request):
-    if "triton" in request.node.name and not INTERPRETER_LOOPS_OVER_LOADS and tk.INTERPRETED:
+    if "triton" in request.node.name and not tk.INTERPRETER_LOOPS_OVER_LOADS and tk.INTERPRETED:
         pytest.skip(f"triton {triton.__version__}'s interpreter cannot loop over a loaded scalar (compiled kernels: "
                     f"scripts/gpu_check.py)")
 

@@ -326,9 +326,11 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
                     last_eval = evaluate(engine.module, feats.eval_batches, head, d)
                     logger.log({"step": step, **last_eval, "wall_s": round(job.elapsed(), 1)})
                     block = last_eval.get("eval/block_accept_len")  # block drafters measure it per block
+                    cond = last_eval.get("eval/cond_acc_1")  # and how well slot 2 builds on slot 1
                     log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
                         + (f"block accept len {block:.2f}" if block is not None else
-                           f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}"))
+                           f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
+                        + (f", P(slot 2 | slot 1) {cond:.3f}" if cond is not None else ""))
                     heap_cap.trim()
                     clock.spent("eval", time.perf_counter() - t_side)
                 t_side = time.perf_counter()

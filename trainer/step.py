@@ -124,6 +124,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     model.eval()
     correct = count = loss = None
     blocks = torch.zeros(2, dtype=torch.float64)  # accepted prefix, blocks (families that draft blocks)
+    cond = None  # [2, K] slot k right with every slot before it right, and blocks with slots < k right
     nb = 0
     for batch in batches:
         out = model(**drafter_inputs(batch, head))
@@ -132,6 +133,9 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
         loss = out["loss"].detach() if loss is None else loss + out["loss"].detach()
         if "accept_len" in out:
             blocks += torch.tensor([float(out["accept_len"]), float(out["blocks"])], dtype=torch.float64)
+        if "cond_correct" in out:
+            got = torch.stack([out["cond_correct"], out["cond_count"]]).double().cpu()
+            cond = got if cond is None else cond + got
         nb += 1
     model.train(was)
     if correct is None:
@@ -148,4 +152,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     if blocks[1] > 0:  # measured per block: 1 (bonus) + the run of greedy-correct slots
         blocks = all_reduce_data(blocks, d)
         res["eval/block_accept_len"] = 1.0 + float(blocks[0] / blocks[1].clamp(min=1))
+    if cond is not None:  # a block drafter's health: P(slot k right | slots < k right), slot 1 first
+        cond = all_reduce_data(cond, d)
+        res.update({f"eval/cond_acc_{i}": float(c / n) if n > 0 else 0.0 for i, (c, n) in enumerate(cond.T.tolist())})
     return res

@@ -278,6 +278,11 @@ KERNELS = {
     "kv_compact": _kv_compact_kernel,
 }
 INTERPRETED = bool(InterpretedFunction) and isinstance(_tree_mask_kernel, InterpretedFunction)
+# Triton 3.6's interpreter turns a scalar a kernel loaded into a 1-element array and cannot loop `range(1, n)`
+# over it (TypeError in its __index__); 3.9's can. Compiled kernels are unaffected (under triton 3.6 on an H200
+# every case of scripts/gpu_check.py equals the PyTorch reference), so only CPU runs through the interpreter
+# (the tests, gpu_check --dry) need this.
+INTERPRETER_LOOPS_OVER_LOADS = tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 7)
 
 
 def compile_for_gpu(arch: int = 90) -> dict[str, int]:
