@@ -21,7 +21,7 @@ Conventions (pinned by tests):
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from drafthead.family import Family, OwnLayers
 from drafthead.layers import RMSNorm, SwiGLU, apply_rope, decoder_layer_shape, given, rope_cos_sin, soft_cross_entropy
-from drafthead.runtime.draft import NGRAM_STACK_FACTOR, ChainDraft, DraftMode, Proposal, chain_proposal
+from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, Proposal, chain_proposal
 
 
 @dataclass
@@ -124,7 +124,7 @@ def mask_token_problem(mask_token_id: int, vocab_size: int) -> str | None:
     """The one range check of the mask token (recipe, runtime target, export): it must be a row of the target's
     embedding. That the data never holds it is `DflashDrafter.check_data`'s question."""
     if not 0 <= mask_token_id < vocab_size:
-        return f"mask_token_id {mask_token_id} is not a row of the target's embedding (vocab_size={vocab_size})"
+        return f"mask_token_id: {mask_token_id} is not a row of the target's embedding (vocab_size={vocab_size})"
     return None
 
 
@@ -492,8 +492,7 @@ def check_block(spec: Any, drafter: DflashDrafter) -> str | None:
     return None
 
 
-BLOCK = DraftMode(propose_block, lambda spec: spec.num_draft_tokens,
-                  lambda spec: NGRAM_STACK_FACTOR * spec.num_draft_tokens, check_block)
+BLOCK = replace(CHAIN, propose=propose_block, check=check_block)  # verified and sized as a chain of the block
 
 
 # ---- the family record ------------------------------------------------------------------------------
@@ -512,7 +511,7 @@ def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_
                                  overlap_anchors=options.overlap_anchors, anchor_chunk=options.anchor_chunk,
                                  loss_decay_gamma=gamma, labels=options.labels)
     if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
-        raise ValueError(f"drafter.dflash.{bad_mask.replace('mask_token_id ', 'mask_token_id: ', 1)}")
+        raise ValueError(f"drafter.dflash.{bad_mask}")
     bad = [i for i in ids if not 0 <= i < n - 1]
     if bad:
         raise ValueError(f"drafter.dflash.target_layer_ids: {bad} out of range (outputs of layers 0..{n - 2} of "
