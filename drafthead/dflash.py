@@ -224,8 +224,8 @@ class DflashDrafter(OwnLayers, nn.Module):
         m = self.config.mask_token_id
         hits = [s.get("id", i) for i, s in enumerate(samples) if m in s["input_ids"]]
         if hits:
-            return [f"drafter.dflash.mask_token_id={m} occurs in {len(hits)} training sample(s) (first: {hits[0]}): "
-                    f"choose a token id the data never holds"]
+            return [f"drafter.{self.family}.mask_token_id={m} occurs in {len(hits)} training sample(s) "
+                    f"(first: {hits[0]}): choose a token id the data never holds"]
         return []
 
     @property
@@ -444,9 +444,9 @@ class BlockRunner:
         self.lens = self.lens + counts
 
     @torch.inference_mode()
-    def block_logits(self, roots: torch.Tensor) -> torch.Tensor:
-        """One forward over [root, MASK x (B-1)] per request at positions lens..lens+B-1 -> slot logits
-        [B, B-1, V] (slot k predicts the token at lens+k)."""
+    def block_out(self, roots: torch.Tensor) -> torch.Tensor:
+        """One forward over [root, MASK x (B-1)] per request at positions lens..lens+B-1 -> the normed output of
+        every block position [B, B, H]."""
         c = self.drafter.config
         B, Bk, dev = roots.shape[0], c.block_size, roots.device
         ids = torch.full((B, Bk), c.mask_token_id, dtype=torch.long, device=dev)
@@ -456,8 +456,12 @@ class BlockRunner:
         ctx = (torch.arange(S, device=dev)[None] < self.lens[:, None])[:, None].expand(B, Bk, S)
         mask = torch.cat([ctx, torch.ones(B, Bk, Bk, dtype=torch.bool, device=dev)], -1)[:, None]
         kv = [(k[:, :, :S], v[:, :, :S]) for k, v in zip(self.k, self.v)]
-        out = self.drafter.block_hidden(ids, pos, kv, mask)  # [B, Bk, H]
-        return self.drafter.target_lm_head(out[:, 1:])  # [B, Bk-1, V]
+        return self.drafter.block_hidden(ids, pos, kv, mask)  # [B, Bk, H]
+
+    @torch.inference_mode()
+    def block_logits(self, roots: torch.Tensor) -> torch.Tensor:
+        """Slot logits [B, B-1, V] of one block forward (slot k predicts the token at lens+k)."""
+        return self.drafter.target_lm_head(self.block_out(roots)[:, 1:])  # [B, Bk-1, V]
 
     @torch.inference_mode()
     def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None

@@ -40,6 +40,8 @@ class Eagle3Options:
     intermediate_size: int | None = None  # null = the target's
     init: str = "auto"  # auto = random (the embedding is always the target's)
     init_head_from_target: bool = False  # start lm_head/norm from the target's (rows of the draft vocab)
+    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured layer's state before `fc`
+    norm_output: bool = False  # EAGLE 3.1: the next TTT step and the head read norm(draft hidden)
 
     def validate(self) -> None:
         if self.num_draft_tokens < 1:
@@ -52,6 +54,9 @@ class Eagle3Options:
             raise ValueError(f"feature_loss_weight: {self.feature_loss_weight} (must be >= 0)")
         if self.init not in INITS:
             raise ValueError(f"init: {self.init!r} (choose from {', '.join(INITS)})")
+        for name in ("fc_norm", "norm_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: {getattr(self, name)!r} (must be true or false)")
 
 
 INITS = ("auto", "random")
@@ -77,6 +82,9 @@ class Eagle3Config:
     step_decay: float = 0.8
     feature_loss_weight: float = 0.0  # > 0: also regress norm(draft hidden) onto the target's last hidden (EAGLE-1)
     hard_label_weight: float = 0.0  # lambda: train towards (1 - lambda) * p_target + lambda * onehot(target argmax)
+    # EAGLE 3.1 (arXiv 2605.09992), the field names speculators, vLLM and SGLang read:
+    fc_norm: bool = False  # RMSNorm each captured state (weights `fc_norm.{i}`) before `fc`
+    norm_output: bool = False  # the draft hidden is normed once: the next TTT step and lm_head both read it
 
     @staticmethod
     def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -155,6 +163,9 @@ class Eagle3Drafter(OwnLayers, nn.Module):
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)  # copied from target, frozen
         self.embed_tokens.weight.requires_grad_(False)
+        # one norm per captured layer: the layers' scales differ by orders of magnitude in deep targets
+        self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in c.aux_layer_ids) \
+            if c.fc_norm else None
         self.fc = nn.Linear(len(c.aux_layer_ids) * c.target_hidden_size, c.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(c)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -245,10 +256,10 @@ class Eagle3Drafter(OwnLayers, nn.Module):
             # scores vs step-0 keys (causal) and the diagonal of every later step's keys
             o = ttt_attention(q, keys[0], vals[0], keys[1:], vals[1:], causal)  # [B, h, T, D]
             o = o.transpose(1, 2).reshape(B, T, -1)  # [B, T, h*D]
-            hidden = layer.post(o, residual)  # [B, T, H]
+            hidden = self.step_output(layer.post(o, residual))  # [B, T, H]
 
             b_idx, t_idx = mask_i.nonzero(as_tuple=True)  # M rows with a target to match
-            normed = self.norm(hidden[b_idx, t_idx])  # [M, H]
+            normed = self.head_input(hidden[b_idx, t_idx])  # [M, H]
             logits = self.lm_head(normed)  # [M, N] (bf16 under autocast; the loss runs in fp32)
             teach = teacher_probs.flatten(0, 1).index_select(0, b_idx * T + t_idx + 1 + i)  # [M, N] rows (b, t+1+i)
             tgt = target_argmax[b_idx, t_idx + 1 + i]  # [M]
@@ -279,7 +290,17 @@ class Eagle3Drafter(OwnLayers, nn.Module):
         """[.., 3*Ht] target features -> [.., H] draft hidden input. Under autocast the features go in as
         they are (bf16 captures are not widened to fp32 only for autocast to narrow them again)."""
         x = aux_hidden if torch.is_autocast_enabled(aux_hidden.device.type) else aux_hidden.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(len(self.fc_norm), -1))], -1)
         return self.fc(x)  # [.., H]
+
+    def step_output(self, h: torch.Tensor) -> torch.Tensor:
+        """The layer output -> the hidden state the next draft step reads (EAGLE 3.1 `norm_output`: normed)."""
+        return self.norm(h) if self.config.norm_output else h
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """A step's hidden state -> what lm_head reads: norm(h), applied once (already so with `norm_output`)."""
+        return h if self.config.norm_output else self.norm(h)
 
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -316,7 +337,8 @@ class Eagle3Drafter(OwnLayers, nn.Module):
             kvh = c.num_key_value_heads
             o = cached_attention(q, cache[:, :kvh], cache[:, kvh:], attn_mask)  # [B, h, T, D]
             out = layer.post(o.transpose(1, 2).reshape(B, T, -1), residual)  # [B, T, H]
-        return self.lm_head(self.norm(take_rows(out, logits_at))), out, cache
+        out = self.step_output(out)  # [B, T, H]
+        return self.lm_head(self.head_input(take_rows(out, logits_at))), out, cache
 
 
 # ---- the family record: what the trainer, runtime and exporters ask of EAGLE3 -----------------------
@@ -326,7 +348,8 @@ def build(tcfg: Any, options: Eagle3Options, layer_ids: list[int] | None, draft_
                                     intermediate_size=options.intermediate_size,
                                     num_draft_tokens=options.num_draft_tokens, step_decay=options.step_decay,
                                     feature_loss_weight=options.feature_loss_weight,
-                                    hard_label_weight=options.hard_label_weight)
+                                    hard_label_weight=options.hard_label_weight, fc_norm=options.fc_norm,
+                                    norm_output=options.norm_output)
 
 
 def init(drafter: Eagle3Drafter, target: Any, options: Eagle3Options) -> str:
@@ -341,7 +364,9 @@ def init(drafter: Eagle3Drafter, target: Any, options: Eagle3Options) -> str:
 
 
 def describe(options: Eagle3Options, config: Eagle3Config) -> str:
-    return f"aux layers {config.aux_layer_ids}, TTT {config.num_draft_tokens} steps"
+    norms = [name for name in ("fc_norm", "norm_output") if getattr(config, name)]
+    return (f"aux layers {config.aux_layer_ids}, TTT {config.num_draft_tokens} steps"
+            + (f", EAGLE 3.1 {' + '.join(norms)}" if norms else ""))
 
 
 FAMILY = Family(

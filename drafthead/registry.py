@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafthead import dflash, eagle3, lora, mtp
+from drafthead import dflash, dspark, eagle3, lora, mtp
 from drafthead.family import Family
 from drafthead.io import atomic_dir
 from drafthead.vocab import draft_ids
@@ -29,6 +29,7 @@ FAMILIES: dict[str, Family] = {
     "eagle3": eagle3.FAMILY,
     "mtp": mtp.FAMILY,
     "dflash": dflash.FAMILY,
+    "dspark": dspark.FAMILY,
     "lora": lora.FAMILY,
 }
 # frozen copies of the target's tensors, taken back from the target on load: every family's token

@@ -62,10 +62,7 @@ def acceptance_rate_by_position(results: Iterable[Any], max_positions: int | Non
     Draft token i is accepted when accept_len > i (acceptance is a prefix). A position no round reached
     is None (no data), not 0.
     """
-    rounds = [(a, d) for r in results for a, d in zip(r.accept_lens, r.num_drafted, strict=True)]
-    for a, d in rounds:
-        if not 0 <= a <= d:
-            raise ValueError(f"a round accepted {a} of {d} drafted tokens: accept_len must be in 0..num_drafted")
+    rounds = _rounds(results)
     longest = max((d for _, d in rounds), default=0)
     n = longest if max_positions is None else min(max_positions, longest)
     rates: list[float | None] = []
@@ -73,6 +70,33 @@ def acceptance_rate_by_position(results: Iterable[Any], max_positions: int | Non
         drafted = [a for a, d in rounds if d >= i + 1]
         rates.append(sum(a > i for a in drafted) / len(drafted) if drafted else None)
     return rates
+
+
+def conditional_acceptance_by_position(results: Iterable[Any], max_positions: int | None = None
+                                      ) -> list[float | None]:
+    """rate[i] = P(draft token i accepted | tokens 0..i-1 accepted and the round drafted at least i+1).
+
+    Where `acceptance_rate_by_position` falls geometrically for any drafter, this curve tells a drafter whose
+    later tokens follow from the earlier ones (it stays high) from one whose tokens are independent guesses
+    (it stays at about rate[0]): the sign of a block drafter starved of supervision. None: no round got there.
+    """
+    rounds = _rounds(results)
+    longest = max((d for _, d in rounds), default=0)
+    n = longest if max_positions is None else min(max_positions, longest)
+    rates: list[float | None] = []
+    for i in range(n):
+        reached = [a for a, d in rounds if d >= i + 1 and a >= i]
+        rates.append(sum(a > i for a in reached) / len(reached) if reached else None)
+    return rates
+
+
+def _rounds(results: Iterable[Any]) -> list[tuple[int, int]]:
+    """(accept_len, num_drafted) of every round, checked."""
+    rounds = [(a, d) for r in results for a, d in zip(r.accept_lens, r.num_drafted, strict=True)]
+    for a, d in rounds:
+        if not 0 <= a <= d:
+            raise ValueError(f"a round accepted {a} of {d} drafted tokens: accept_len must be in 0..num_drafted")
+    return rounds
 
 
 def summarize(gens: Sequence[Generation]) -> dict:

@@ -16,7 +16,8 @@ import torch
 
 from drafthead import hardware
 from drafthead.io import atomic_write_bytes, atomic_write_json
-from drafthead.eval.acceptance import Generation, acceptance_rate_by_position, by_category, compare_outputs, summarize
+from drafthead.eval.acceptance import (Generation, acceptance_rate_by_position, by_category, compare_outputs,
+                                      conditional_acceptance_by_position, summarize)
 
 DEFINITIONS = {
     "acceptance_length": "tau = generated tokens / target verify forwards, bonus token included: a round that "
@@ -27,6 +28,10 @@ DEFINITIONS = {
     "mean_accepted_per_round": "mean number of drafted tokens accepted per round, bonus token excluded",
     "acceptance_rate_by_position": "entry i (0-based): fraction of rounds in which draft token i was accepted, among "
                                    "the rounds that drafted at least i + 1 tokens (null: no round drafted that many)",
+    "conditional_acceptance_by_position": "entry i: fraction of rounds in which draft token i was accepted, among "
+                                          "the rounds that drafted at least i + 1 tokens and accepted tokens 0..i-1; "
+                                          "a curve that stays near entry 0 means the drafted tokens are "
+                                          "independent guesses",
     "tokens_per_s": "generated tokens / wall time of the generate calls (prompt prefill included)",
     "baseline_tokens_per_s": "the same target decoding autoregressively in the same runtime (SpecConfig mode='ar'), "
                              "same prompts, same machine",
@@ -75,6 +80,7 @@ def build_report(spec_gens: Sequence[Generation], ar_gens: Sequence[Generation],
         "acceptance_length": s["acceptance_length"],
         "mean_accepted_per_round": s["mean_accepted_per_round"],
         "acceptance_rate_by_position": acceptance_rate_by_position([g.result for g in spec_gens]),
+        "conditional_acceptance_by_position": conditional_acceptance_by_position([g.result for g in spec_gens]),
         "by_category": cats,
         "tokens_per_s": s["tokens_per_s"],
         "baseline_tokens_per_s": b["tokens_per_s"],
@@ -130,8 +136,10 @@ def render_markdown(r: dict) -> str:
     for c, v in r["by_category"].items():
         lines.append(f"| {c} | {_fmt(v['acceptance_length'])} | {_fmt(v['tokens_per_s'], 1)} | "
                      f"{_fmt(v['baseline_tokens_per_s'], 1)} | {_fmt(v['speedup'], 2)} | {v['num_generations']} |")
-    lines += ["", "## Acceptance rate by draft position", "", "| position | rate |", "|---|---|"]
-    lines += [f"| {i} | {_fmt(x)} |" for i, x in enumerate(r["acceptance_rate_by_position"])]
+    lines += ["", "## Acceptance rate by draft position", "",
+              "| position | rate | given the earlier positions accepted |", "|---|---|---|"]
+    lines += [f"| {i} | {_fmt(x)} | {_fmt(c)} |" for i, (x, c) in
+              enumerate(zip(r["acceptance_rate_by_position"], r["conditional_acceptance_by_position"], strict=True))]
     lines += ["", "## Definitions", ""] + [f"- `{k}`: {v}" for k, v in r["definitions"].items()]
     if r["lossless"] is None or not r["lossless"]:
         lines += ["", f"Lossless check: {r['lossless_note']}."]
@@ -153,12 +161,19 @@ def _figure() -> Any:
     return fig
 
 
-def plot_acceptance_by_position(rates: Sequence[float | None], title: str = "") -> bytes:
+def plot_acceptance_by_position(rates: Sequence[float | None], conditional: Sequence[float | None] = (),
+                                title: str = "") -> bytes:
+    """Bars: P(token i accepted); line: P(token i accepted | tokens before it accepted)."""
     fig = _figure()
     ax = fig.add_subplot()
     xs = list(range(len(rates)))
-    bars = ax.bar(xs, [x if x is not None else 0.0 for x in rates], color="#4c72b0")
+    bars = ax.bar(xs, [x if x is not None else 0.0 for x in rates], color="#4c72b0", label="accepted")
     ax.bar_label(bars, labels=["n/a" if x is None else f"{x:.2f}" for x in rates], fontsize=8)
+    known = [(i, c) for i, c in enumerate(conditional) if c is not None]
+    if known:
+        ax.plot([i for i, _ in known], [c for _, c in known], "o-", color="#dd8452",
+                label="accepted, given the earlier ones were")
+        ax.legend(loc="upper right", fontsize=8)
     ax.set_xticks(xs)
     ax.set_ylim(0, 1)
     ax.set_xlabel("draft position (0 = first drafted token)")
@@ -190,7 +205,8 @@ def write_report(r: dict, out_dir: str | os.PathLike, spec_gens: Sequence[Genera
                                            "tau_by_category.png", "generations.jsonl")}
     label = f"{r['settings'].get('dataset')}, mode {r['settings']['spec'].get('mode')}"
     atomic_write_bytes(paths["acceptance_by_position.png"], plot_acceptance_by_position(
-        r["acceptance_rate_by_position"], f"acceptance by position ({label})"))
+        r["acceptance_rate_by_position"], r["conditional_acceptance_by_position"],
+        f"acceptance by position ({label})"))
     atomic_write_bytes(paths["tau_by_category.png"], plot_tau_by_category(
         r["by_category"], f"tau by category ({label})"))
     rows = [json.dumps({"sample_id": g.sample_id, "category": g.category, "turn": g.turn, "prompt_len": g.prompt_len,

@@ -108,6 +108,11 @@ def test_bad_ranges_and_argument_shape():
     with pytest.raises(ConfigError,
                        match=r"bad value for 'drafter\.eagle3\.hard_label_weight': 1\.5 \(must be in \[0, 1\]\)"):
         load_config(["drafter.eagle3.hard_label_weight=1.5"])
+    with pytest.raises(ConfigError, match=r"bad value for 'drafter\.eagle3\.fc_norm': Value 'maybe'"):
+        load_config(["drafter.eagle3.fc_norm=maybe"])
+    # EAGLE 3.1 is EAGLE3's
+    with pytest.raises(ConfigError, match=r"unknown config key 'drafter\.dflash\.norm_output'"):
+        load_config(["recipe=dflash_smollm2", "drafter.dflash.norm_output=true"])
     # a family's key given without its section: named, with the section it belongs to
     with pytest.raises(ConfigError,
                        match=r"unknown config key 'drafter\.draft_vocab_size'.*'drafter\.eagle3\.draft_vocab_size'"):

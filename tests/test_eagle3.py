@@ -10,12 +10,17 @@ from drafthead.vocab import build_vocab_mapping, draft_ids, target_to_draft
 V, H = 96, 32
 
 
-def tiny_drafter(ttt: int = 3, seed: int = 0, n_draft: int = 64) -> Eagle3Drafter:
+def tiny_drafter(ttt: int = 3, seed: int = 0, n_draft: int = 64, **options) -> Eagle3Drafter:
     torch.manual_seed(seed)
     tcfg = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                        num_key_value_heads=2, max_position_embeddings=256)
-    c = Eagle3Config.from_target(tcfg, draft_vocab_size=n_draft, aux_layer_ids=[1, 2, 3], num_draft_tokens=ttt)
+    c = Eagle3Config.from_target(tcfg, draft_vocab_size=n_draft, aux_layer_ids=[1, 2, 3], num_draft_tokens=ttt,
+                                 **options)
     m = Eagle3Drafter(c)
+    if m.fc_norm is not None:  # norms away from 1, so a norm applied to the wrong part shows
+        with torch.no_grad():
+            for norm in m.fc_norm:
+                norm.weight.add_(0.3 * torch.randn_like(norm.weight))
     torch.nn.init.normal_(m.embed_tokens.weight, std=0.5)
     d2t, t2d = build_vocab_mapping(torch.arange(V).flip(0).clone(), n_draft)
     m.d2t.copy_(d2t)
@@ -80,6 +85,50 @@ def test_ttt_matches_inference_decode():
         assert seen[i].shape[0] == n_rows
         assert torch.allclose(seen[i][t], out_i[0, 0], atol=1e-5), f"step {i}"
         h_prev = out_i
+
+
+@pytest.mark.parametrize("fc_norm,norm_output", [(False, True), (True, False), (True, True)])
+def test_eagle31_ttt_matches_inference_decode(fc_norm, norm_output):
+    """With the EAGLE 3.1 norms, step i of the TTT == chain step i of the KV-cached path, read at the head input
+    (lm_head's rows) and at the hidden state the next step reads."""
+    m = tiny_drafter(ttt=3, fc_norm=fc_norm, norm_output=norm_output)
+    ids, aux, teacher, tgt, mask = _batch(m, B=1, T=10)
+    seen = []
+    h = m.lm_head.register_forward_hook(lambda mod, a, out: seen.append(a[0].detach()))
+    m(ids, aux, teacher, tgt, mask)
+    h.remove()
+    t = 4
+    _, out, kv = m.decode(ids[:, 1: t + 2], m.fuse(aux[:, : t + 1]), torch.arange(t + 1)[None])
+    torch.testing.assert_close(seen[0][t], m.head_input(out[0, -1]), rtol=0, atol=1e-5)
+    h_prev = out[:, -1:]
+    for i in range(1, 3):
+        _, h_prev, kv = m.decode(ids[:, t + 1 + i: t + 2 + i], h_prev, torch.tensor([[t + i]]), kv=kv)
+        torch.testing.assert_close(seen[i][t], m.head_input(h_prev[0, 0]), rtol=0, atol=1e-5, msg=f"step {i}")
+    if norm_output:  # what the next step reads is normed: RMS of hidden / weight is 1 in every row
+        rms = (h_prev / m.norm.weight).pow(2).mean(-1).sqrt()
+        torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+
+
+def test_eagle31_norms_change_what_they_claim():
+    """fc_norm makes fc blind to each captured layer's scale; norm_output leaves step 0's logits alone and
+    changes what later steps read."""
+    ids, aux, _, _, _ = _batch(tiny_drafter(), B=1, T=8)
+    pos = torch.arange(8)[None]
+    scaled = aux.clone()
+    scaled[..., H: 2 * H] *= 50.0  # one captured layer 50x louder
+    with torch.no_grad():
+        on = tiny_drafter(fc_norm=True)
+        torch.testing.assert_close(on.fuse(scaled), on.fuse(aux), rtol=1e-4, atol=1e-4)
+        off = tiny_drafter()
+        assert not torch.allclose(off.fuse(scaled), off.fuse(aux), atol=1e-2)
+        plain, post = tiny_drafter(), tiny_drafter(norm_output=True)  # the same weights (same seed)
+        runs = []
+        for m in (plain, post):
+            logits0, out, kv = m.decode(ids, m.fuse(aux), pos)
+            logits1, _, _ = m.decode(ids[:, -1:], out[:, -1:], torch.tensor([[8]]), kv=kv)
+            runs.append((logits0, logits1))
+        torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=1e-6)
+        assert not torch.allclose(runs[0][1], runs[1][1], atol=1e-3)
 
 
 def test_ttt_causality_future_tokens_do_not_leak():
@@ -189,8 +238,8 @@ def test_hard_label_weight_mixes_a_one_hot_on_the_target_argmax():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_one_call_draft_step_gives_the_op_by_op_bits(dtype, norm_before_residual, monkeypatch):
+@pytest.mark.parametrize("norm_before_residual,norm_output", [(False, False), (True, False), (False, True)])
+def test_one_call_draft_step_gives_the_op_by_op_bits(dtype, norm_before_residual, norm_output, monkeypatch):
     """A packed CPU draft step (the runtime's copy, `with_packed_linears`) runs its layer in one extension call
     (`layers.one_call_layer`, DecodeLayer.forward_input). Logits, output hidden and the KV cache written must be
     the op-by-op path's bits, for a lone token and a causal block, two requests at their own slots."""
@@ -201,7 +250,7 @@ def test_one_call_draft_step_gives_the_op_by_op_bits(dtype, norm_before_residual
     kinds = ("fp32",) if dtype == torch.float32 else ("fp32", "bf16")
     if not all(cpu_linear.available(k) for k in kinds):
         pytest.skip(f"CPU kernel unavailable: {[cpu_linear.unavailable_reason(k) for k in kinds]}")
-    m = tiny_drafter()
+    m = tiny_drafter(norm_output=norm_output)
     m.config.norm_before_residual = norm_before_residual
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():

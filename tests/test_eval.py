@@ -18,6 +18,7 @@ import torch
 from drafthead import hardware
 from drafthead.eval import EvalConfig, parse_kv, validate
 from drafthead.eval.acceptance import (Generation, acceptance_length, acceptance_rate_by_position, compare_outputs,
+                                      conditional_acceptance_by_position,
                              generate_runs, generate_samples, mean_accepted)
 from drafthead.eval.datasets import (HUMANEVAL_INSTRUCTION, EvalSample, chat_prompt, heldout_path, load_eval_dataset,
                            load_humaneval, load_mt_bench, load_sharegpt)
@@ -154,10 +155,32 @@ def test_position_rates_count_only_rounds_that_drafted_that_far():
     assert acceptance_rate_by_position([r]) == [3 / 4, 2 / 4, 1 / 3, 1 / 3]
     assert acceptance_rate_by_position([r], max_positions=2) == [3 / 4, 2 / 4]
     assert acceptance_length([r]) == 11 / 4
+    # given tokens 0..i-1 accepted: position 1 among rounds with a >= 1 (2 of 4, 4 of 4, 1 of 2): 2 of 3
+    assert conditional_acceptance_by_position([r]) == [3 / 4, 2 / 3, 1 / 2, 1 / 1]
+    assert conditional_acceptance_by_position([r], max_positions=1) == [3 / 4]
+    assert conditional_acceptance_by_position([Result([5], 1, [0], [3])]) == [0.0, None, None]  # nobody got there
     assert acceptance_rate_by_position([Result([], 0, [], [])]) == []
     assert acceptance_length([Result([], 0, [], [])]) is None
     with pytest.raises(ValueError, match="accept_len must be in 0..num_drafted"):
         acceptance_rate_by_position([Result([1], 1, [3], [2])])
+    with pytest.raises(ValueError, match="accept_len must be in 0..num_drafted"):
+        conditional_acceptance_by_position([Result([1], 1, [3], [2])])
+
+
+def test_independent_slots_show_as_a_flat_conditional_curve():
+    """Slots right with probability p each, independently: the rates fall as p^(i+1), the conditional curve
+    stays at p; a drafter whose slot i+1 is right whenever slot i is keeps the conditional curve at 1."""
+    g = torch.Generator().manual_seed(0)
+    p, k, n = 0.3, 4, 20000
+    right = torch.rand(n, k, generator=g) < p
+    accept = right.int().cumprod(1).sum(1).tolist()  # a prefix is accepted
+    r = Result(tokens=[0] * (1 + sum(accept) + n), num_rounds=n, accept_lens=accept, num_drafted=[k] * n)
+    rates, cond = acceptance_rate_by_position([r]), conditional_acceptance_by_position([r])
+    for i in range(k):
+        assert rates[i] == pytest.approx(p ** (i + 1), abs=0.02) and cond[i] == pytest.approx(p, abs=0.05)
+    chained = Result(tokens=[0] * (1 + n + k * n // 2), num_rounds=n, accept_lens=[0, k] * (n // 2),
+                     num_drafted=[k] * n)
+    assert conditional_acceptance_by_position([chained]) == [0.5, 1.0, 1.0, 1.0]
 
 
 def gen(sample_id: str, category: str, result: Result, wall: float, turn: int = 0) -> Generation:
@@ -181,13 +204,15 @@ def test_report_files_and_fields(tmp_path):
     assert r["target_forwards"] == 26 and r["baseline_target_forwards"] == 42
     assert r["speedup"] == pytest.approx(4 / 3) and r["pays_off"] is True
     assert r["acceptance_rate_by_position"] == [4 / 24] * k
+    assert r["conditional_acceptance_by_position"] == [4 / 24] + [1.0] * (k - 1)
     assert r["lossless"] is True and r["num_prompts"] == 2
     assert "bonus" in r["definitions"]["acceptance_length"]
     assert r["settings"]["spec"]["mode"] == "chain" and r["settings"]["machine"]["torch_threads"] == 1
 
     paths = write_report(r, tmp_path / "out", spec)
     on_disk = json.loads(paths["report.json"].read_text())
-    for key in ("acceptance_length", "acceptance_rate_by_position", "by_category", "tokens_per_s",
+    for key in ("acceptance_length", "acceptance_rate_by_position", "conditional_acceptance_by_position",
+                "by_category", "tokens_per_s",
                 "baseline_tokens_per_s", "speedup", "lossless", "num_prompts", "pays_off", "settings", "definitions"):
         assert on_disk[key] == r[key]
     for png in ("acceptance_by_position.png", "tau_by_category.png"):

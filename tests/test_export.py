@@ -123,6 +123,58 @@ def test_roundtrip_from_server_fields_only(setup, tmp_path, fmt):
     assert torch.equal(draft_logits(back), draft_logits(setup["drafter"]))
 
 
+@pytest.fixture(scope="module")
+def setup31(setup, tmp_path_factory):
+    """The same draft with the EAGLE 3.1 norms on (fc_norm weights away from 1)."""
+    dcfg = Eagle3Config(**{**setup["drafter"].config.to_dict(), "fc_norm": True, "norm_output": True})
+    drafter = Eagle3Drafter(dcfg)
+    drafter.load_state_dict(setup["drafter"].state_dict(), strict=False)
+    with torch.no_grad():
+        for norm in drafter.fc_norm:
+            norm.weight.add_(0.3 * torch.randn_like(norm.weight))
+    info = json.loads((setup["draft"] / "config.json").read_text())["target"]
+    ddir = save_draft(drafter.eval(), tmp_path_factory.mktemp("export31") / "draft", info)
+    return {"drafter": drafter, "draft": ddir}
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+@pytest.mark.parametrize("own_section", [True, False])
+def test_eagle31_roundtrip(setup, setup31, tmp_path, fmt, own_section):
+    """fc_norm / norm_output travel as the fields servers read, with the `fc_norm.{i}.weight` tensors."""
+    out = export(setup31["draft"], fmt, tmp_path / fmt)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+    sd = load_file(str(out / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in sd.items() if "fc_norm" in k} == {f"fc_norm.{i}.weight": (H,)
+                                                                            for i in range(3)}
+    if not own_section:
+        del cfg["drafthead"]
+        (out / "config.json").write_text(json.dumps(cfg))
+    back = load_exported(out, embed_weight=setup["emb"])
+    assert back.config.fc_norm and back.config.norm_output
+    assert torch.equal(draft_logits(back), draft_logits(setup31["drafter"]))
+    assert not torch.equal(draft_logits(back), draft_logits(setup["drafter"]))  # the norms are in the math
+
+
+def test_eagle31_plain_exports_say_false(setup, tmp_path):
+    for fmt in ("sglang", "speculators"):
+        cfg = json.loads((export(setup["draft"], fmt, tmp_path / fmt) / "config.json").read_text())
+        assert cfg["fc_norm"] is False and cfg["norm_output"] is False
+
+
+def test_eagle31_refused_where_it_cannot_be_expressed(setup, setup31, tmp_path):
+    with pytest.raises(ExportError, match="EAGLE 3.1 fc_norm and norm_output.*llama.cpp"):
+        export(setup31["draft"], "gguf", tmp_path / "o.gguf")
+    assert_nothing_written(tmp_path / "o.gguf")
+    out = export(setup["draft"], "speculators", tmp_path / "sp")
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["drafthead"]
+    cfg["norm_before_fc"] = True  # speculators' gpt-oss norm over the concatenation: not ours
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match="norm_before_fc"):
+        load_exported(out)
+
+
 def test_sglang_eagle_config_only_is_read_with_sglang_semantics(setup, tmp_path):
     """A third-party SGLang checkpoint with only eagle_config ids (SpecForge: output-of-layer, first id 1)."""
     out = export(setup["draft"], "sglang", tmp_path / "s")
@@ -193,7 +245,8 @@ def test_sglang_layout(setup, tmp_path):
 
 # fields of speculators' Eagle3SpeculatorConfig / SpeculatorsConfig (reference notes B.5)
 SPECULATORS_TOP = {"speculators_model_type", "speculators_version", "architectures", "draft_vocab_size",
-                   "eagle_aux_hidden_state_layer_ids", "target_hidden_size", "norm_before_residual",
+                   "eagle_aux_hidden_state_layer_ids", "target_hidden_size", "norm_before_residual", "fc_norm",
+                   "norm_output",
                    "transformer_layer_config", "speculators_config"}
 LLAMA_FIELDS = {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",

@@ -31,13 +31,13 @@ def target_embedding(tdir) -> torch.Tensor:
     return load_file(str(tdir / "model.safetensors"))["model.embed_tokens.weight"]
 
 
-def make_draft(tdir, folder, norm_before_residual: bool, seed: int = 0):
+def make_draft(tdir, folder, norm_before_residual: bool, seed: int = 0, eagle31: bool = False):
     """A tiny random EAGLE3 draft for the HF target in `tdir`, saved with drafthead's own format."""
     torch.manual_seed(seed)
     tcfg = AutoConfig.from_pretrained(tdir)
     n = tcfg.vocab_size // 2
     cfg = Eagle3Config.from_target(tcfg, draft_vocab_size=n, aux_layer_ids=AUX,
-                                   norm_before_residual=norm_before_residual)
+                                   norm_before_residual=norm_before_residual, fc_norm=eagle31, norm_output=eagle31)
     drafter = Eagle3Drafter(cfg)
     drafter.embed_tokens.weight.data.copy_(target_embedding(tdir))
     d2t, t2d = build_vocab_mapping(torch.randint(0, 1000, (tcfg.vocab_size,)), n)
@@ -60,6 +60,7 @@ def drafts(tiny_llama_dir, tmp_path_factory):
     out = {"tdir": tiny_llama_dir}
     for nbr in (False, True):
         out[nbr] = make_draft(tiny_llama_dir, root / f"draft_nbr{int(nbr)}", nbr)
+    out["eagle31"] = make_draft(tiny_llama_dir, root / "draft_eagle31", False, eagle31=True)
     return out
 
 
@@ -170,14 +171,14 @@ def test_cli_store_embedding(drafts, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # speculators' own loader, offline
 
-@pytest.mark.parametrize("nbr", [False, True])
-def test_speculators_from_pretrained_offline(drafts, tmp_path, monkeypatch, nbr):
+def speculators_model(drafts, key, tmp_path, monkeypatch):
+    """Our export of draft `key`, loaded offline by speculators' own `Eagle3DraftModel.from_pretrained`."""
     pytest.importorskip("speculators", reason="PyPI `speculators` is not installed (every release pins "
                         "transformers below this project's; see docs/export.md)")
     import huggingface_hub.constants as hub_constants
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    drafter, ddir = drafts[nbr]
+    drafter, ddir = drafts[key]
     tdir = drafts["tdir"]
     out = export(ddir, "speculators", tmp_path / "spec", verifier=str(tdir), store_embedding=True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -185,7 +186,33 @@ def test_speculators_from_pretrained_offline(drafts, tmp_path, monkeypatch, nbr)
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     config = Eagle3SpeculatorConfig.from_pretrained(out)
     config.transformer_layer_config._attn_implementation = "eager"  # flex attention needs a compiler on CPU
-    model = Eagle3DraftModel.from_pretrained(out, config=config).float().eval()
+    return drafter, Eagle3DraftModel.from_pretrained(out, config=config).float().eval()
+
+
+def test_speculators_runs_eagle31_as_we_do(drafts, tmp_path, monkeypatch):
+    """fc_norm and norm_output as speculators' model reads them: its TTT step 1 at the last row (inputs: the
+    step-0 hidden and the pad id 0 its teacher forcing puts there) equals our KV-cached chain step."""
+    drafter, model = speculators_model(drafts, "eagle31", tmp_path, monkeypatch)
+    assert model.config.fc_norm is True and model.config.norm_output is True
+    for i, norm in enumerate(drafter.fc_norm):
+        assert torch.equal(model.fc_norm[i].weight, norm.weight)
+    ids, aux, pos = decode_inputs(drafter.config)
+    logits = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: logits.append(o))
+    with torch.no_grad():
+        model(hidden_states=aux, input_ids=ids, document_ids=torch.zeros_like(ids), position_ids=pos, ttt_steps=2)
+        ours0, out, kv = drafter.decode(ids, drafter.fuse(aux), pos)
+        ours1, _, _ = drafter.decode(torch.zeros_like(ids[:, -1:]), out[:, -1:], pos[:, -1:] + 1, kv=kv)
+    hook.remove()
+    assert len(logits) == 2
+    torch.testing.assert_close(logits[0], ours0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits[1][:, -1:], ours1, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+def test_speculators_from_pretrained_offline(drafts, tmp_path, monkeypatch, nbr):
+    drafter, model = speculators_model(drafts, nbr, tmp_path, monkeypatch)
+    tdir = drafts["tdir"]
     assert model.config.norm_before_residual is nbr
     assert torch.equal(model.embed_tokens.weight, target_embedding(tdir))
     assert torch.equal(model.d2t, drafter.d2t) and torch.equal(model.t2d, drafter.t2d)

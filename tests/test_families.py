@@ -34,6 +34,8 @@ SMALL = {"eagle3": ["drafter.eagle3.draft_vocab_size=128", "drafter.eagle3.num_d
          # token 2 never occurs in `samples` (ids from 3 up): the mask token
          "dflash": ["drafter.dflash.mask_token_id=2", "drafter.dflash.block_size=4", "drafter.dflash.num_layers=2",
                     "drafter.dflash.target_layer_ids=[0,2]"],
+         "dspark": ["drafter.dspark.mask_token_id=2", "drafter.dspark.block_size=4", "drafter.dspark.num_layers=2",
+                    "drafter.dspark.target_layer_ids=[0,2]", "drafter.dspark.markov_rank=8"],
          "lora": ["drafter.lora.exit_layer=1", "drafter.lora.rank=4"]}
 
 

@@ -174,6 +174,12 @@ def write_gguf(src: DraftSource, target: TargetInfo, path: Path, outtype: str = 
 
 
 def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:
+    eagle31 = [name for name in ("fc_norm", "norm_output") if getattr(src.config, name)]
+    if eagle31:
+        # neither is linear, so neither folds into fc or the head; llama.cpp would silently run plain EAGLE3
+        raise ExportError(f"{src.path}: this draft was trained with EAGLE 3.1 {' and '.join(eagle31)}, which "
+                          f"llama.cpp's EAGLE3 graph (llama-cpp-python 0.3.36) has no key or tensor for; export "
+                          f"it with to=speculators or to=sglang (vLLM and SGLang read both)")
     outtype = outtype or "f32"
     out = check_gguf_out(out, outtype, OUTTYPES)
     if target.gguf_path is None:

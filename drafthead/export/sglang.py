@@ -63,6 +63,8 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str) 
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": sglang_aux_ids(ids), "use_aux_hidden_state": True},
         "eagle_aux_hidden_state_layer_ids": ids,
         "norm_before_residual": cfg.norm_before_residual,
+        "fc_norm": cfg.fc_norm,  # EAGLE 3.1 (SGLang's and vLLM's llama_eagle3 read both; weights `fc_norm.{i}.weight`)
+        "norm_output": cfg.norm_output,
         "torch_dtype": dtype,
         # ignored by servers; lets `load_exported` rebuild the exact drafthead config
         "drafthead": {"format": "sglang", "family": "eagle3", "aux_layer_ids_meaning": LAYER_ID_MEANING,
@@ -133,6 +135,8 @@ def config_from_llama_fields(layer: dict, top: dict, aux_ids: list[int] | None,
             rope_theta=float(rope.get("rope_theta", layer.get("rope_theta", 10000.0))),
             max_position_embeddings=int(layer.get("max_position_embeddings", 2048)),
             norm_before_residual=bool(top.get("norm_before_residual", norm_before_residual_default)),
+            fc_norm=bool(top.get("fc_norm", False)),
+            norm_output=bool(top.get("norm_output", False)),
         )
     except KeyError as e:
         raise ExportError(f"checkpoint config lacks {e.args[0]}") from None

@@ -36,7 +36,8 @@ VERIFIER_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 # every key `build_config` writes, as the speculators schema names them (tests pin the layout)
 TOP_LEVEL_FIELDS = ("speculators_model_type", "speculators_version", "architectures", "transformer_layer_config",
                     "draft_vocab_size", "norm_before_residual", "target_hidden_size",
-                    "eagle_aux_hidden_state_layer_ids", "embed_requires_grad", "speculators_config")
+                    "eagle_aux_hidden_state_layer_ids", "fc_norm", "norm_output", "embed_requires_grad",
+                    "speculators_config")
 
 
 def rename_out(name: str) -> str:
@@ -61,6 +62,8 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str,
         "norm_before_residual": cfg.norm_before_residual,
         "target_hidden_size": cfg.target_hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        "fc_norm": cfg.fc_norm,  # EAGLE 3.1; weights `fc_norm.{i}.weight`, as speculators' Eagle3DraftModel names them
+        "norm_output": cfg.norm_output,
         "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3",
@@ -136,6 +139,10 @@ def to_internal(config: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dic
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise ExportError("speculators config has no transformer_layer_config")
+    if config.get("norm_before_fc"):
+        raise ExportError("speculators config sets norm_before_fc (one RMSNorm over the concatenated captured "
+                          "states, gpt-oss style), which drafthead's EAGLE3 cannot express; it has fc_norm (one "
+                          "norm per captured state, EAGLE 3.1)")
     state = {rename_in(k): v for k, v in state.items() if k not in ("verifier_lm_head.weight", "verifier_norm.weight")}
     kw = config_from_llama_fields(layer, config, config.get("eagle_aux_hidden_state_layer_ids"),
                                   norm_before_residual_default=True)

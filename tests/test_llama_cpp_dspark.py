@@ -1,0 +1,145 @@
+"""llama.cpp runs our GGUF DSpark drafts (`--spec-type draft-dspark`) with the SmolLM2 target (slow: builds
+llama.cpp once, ~15 min on 2 cores; then a few minutes).
+
+As tests/test_llama_cpp_dflash.py: the target alone continues a few chat prompts, DSpark drafts (anchor-first
+blocks: B drafts a forward) are trained in-process on those continuations, exported with `to=gguf` and run in
+`llama-speculative-simple`. Checked: llama.cpp takes the file as a DSpark draft; the text equals the target
+alone; acceptance is near complete for the overfit draft; and per draft position, the acceptance llama.cpp
+reports for a half-trained draft is within 0.1 of our runtime's on the same prompts (both chain the drafts
+greedily through the Markov head).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from drafthead.assets import asset_path
+from drafthead.dspark import DsparkDrafter, DsparkOptions, build
+from drafthead.export import export
+from drafthead.export import llama_cpp as lc
+from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
+from drafthead.registry import save_draft
+from drafthead.runtime import SpecConfig, SpeculativeGenerator
+from drafthead.target import capture, lm_head_weight, load_target
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "What is the capital of France? Answer in two sentences.",
+    "Write a short poem about the sea.",
+    "Give three tips for staying healthy.",
+]
+N_PREDICT = 48
+BLOCK = 4
+N_DRAFT = BLOCK  # anchor-first: every slot of [root, MASK x 3] drafts
+MASK = 16  # <empty_output>, as recipes/dspark_smollm2.yaml
+STEPS = {"trained": 150, "half": 30}
+THREADS = default_threads()
+
+
+@pytest.fixture(scope="module")
+def bins():
+    return llama_cpp_bin(build=True)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, bins):
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    t0 = time.perf_counter()
+    root = tmp_path_factory.mktemp("llama_cpp_dspark")
+    target_gguf = asset_path("smollm2-135m-instruct")
+    target = load_target("smollm2-135m-instruct", dtype="float32")
+    tok = target.tokenizer
+    prompts = [lc.chat_prompt(tok, p) for p in PROMPTS]
+    alone = [lc.run_target(bins, target_gguf, p, N_PREDICT, THREADS, poll=0) for p in prompts]
+    longer = [lc.run_target(bins, target_gguf, p, N_PREDICT + BLOCK + 2, THREADS, poll=0) for p in prompts]
+    seqs, n_prompts = [], []
+    for p, c in zip(prompts, longer, strict=True):
+        n_prompts.append(len(tok(p, add_special_tokens=False).input_ids))
+        seqs.append(torch.tensor(tok(p + c.text, add_special_tokens=False).input_ids))
+    T = max(len(s) for s in seqs)
+    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    attn = torch.zeros(len(seqs), T, dtype=torch.long)
+    loss_mask = torch.zeros(len(seqs), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, : len(s)], attn[i, : len(s)] = s, 1
+        loss_mask[i, n_prompts[i] - 1: len(s)] = 1  # the first block starts at the last prompt token
+    opts = DsparkOptions(num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=[1, 14, 27],
+                         markov_rank=32, num_anchors=16)  # 16 blocks a sequence: steps stay cheap
+    cfg = build(target.config, opts, None, None)
+    aux, _ = capture(target.model, input_ids, attn, [i + 1 for i in cfg.target_layer_ids])  # [B, T, 3H]
+    nxt = torch.roll(input_ids, -1, dims=1)  # llama.cpp's own next token at j: a sharp teacher
+    argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)
+    teacher = torch.zeros(*input_ids.shape, cfg.vocab_size).scatter_(-1, nxt[..., None], 1.0)
+
+    def new_drafter(seed: int) -> DsparkDrafter:
+        torch.manual_seed(seed)
+        d = DsparkDrafter(cfg)
+        with torch.no_grad():
+            d.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+            d.target_lm_head.weight.copy_(lm_head_weight(target.model))
+            d.norm.weight.copy_(target.model.model.norm.weight)
+        return d
+
+    drafters = {}
+    for name, steps in STEPS.items():
+        d = new_drafter(1)
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)
+        for _ in range(steps):
+            out = d(input_ids, aux, teacher, argmax, loss_mask)
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+        drafters[name] = d.eval()
+        print(f"[{time.perf_counter() - t0:.0f}s] {name}: {steps} steps, loss {out['loss'].item():.3f}, block accept "
+              f"{1 + float(out['accept_len'] / out['blocks']):.2f}")
+    files = {name: export(save_draft(d, root / name, target.info()), "gguf", root / f"{name}.gguf")
+             for name, d in drafters.items()}
+    return dict(target=target, target_gguf=target_gguf, prompts=prompts, alone=alone, longer=longer,
+                drafters=drafters, files=files)
+
+
+def run_all(world, bins, name: str, verbose: bool = False) -> tuple[float, list[float], list[str]]:
+    drafted = accepted = 0
+    by_pos, texts = [], []
+    for i, prompt in enumerate(world["prompts"]):
+        r = run_speculative(bins, world["target_gguf"], world["files"][name], prompt, N_PREDICT, N_DRAFT, THREADS,
+                            verbose=verbose, poll=0, spec_type="draft-dspark")
+        if i == 0 and verbose:
+            assert "markov" in r.log.lower() or "dspark" in r.log.lower(), r.log[-3000:]
+        assert r.n_drafted > 0
+        texts.append(r.text.strip())
+        drafted, accepted = drafted + r.n_drafted, accepted + r.n_accept
+        if r.accept_by_pos is not None:
+            by_pos.append(r.accept_by_pos + [0.0] * (N_DRAFT - len(r.accept_by_pos)))
+    mean = [sum(c) / len(c) for c in zip(*by_pos)] if by_pos else []
+    return accepted / drafted, mean, texts
+
+
+def test_llama_cpp_runs_dspark_draft_losslessly(world, bins):
+    rate, _, texts = run_all(world, bins, "trained", verbose=True)
+    for got, alone, longer in zip(texts, world["alone"], world["longer"], strict=True):
+        assert got.startswith(alone.text.strip()) and longer.text.strip().startswith(got), got
+    print(f"llama.cpp draft-dspark acceptance (overfit draft): {rate:.3f}")
+    assert rate > 0.8, rate
+
+
+def test_llama_cpp_dspark_acceptance_by_position_matches_our_runtime(world, bins):
+    """A half-trained draft: llama.cpp's share of rounds accepting draft position i is within 0.1 of our
+    runtime's (block mode, B drafts, greedy Markov chain in both)."""
+    rate, lc_pos, _ = run_all(world, bins, "half", verbose=True)
+    assert len(lc_pos) == N_DRAFT, lc_pos
+    target, tok = world["target"], world["target"].tokenizer
+    gen = SpeculativeGenerator(target, world["drafters"]["half"])
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in world["prompts"]]
+    res = gen.generate(prompts, N_PREDICT, SpecConfig(mode="block", num_draft_tokens=N_DRAFT))
+    ours = [[sum(a > i for a in r.accept_lens) / len(r.accept_lens) for i in range(N_DRAFT)] for r in res]
+    our_pos = [sum(c) / len(c) for c in zip(*ours)]
+    print(f"acceptance by position: llama.cpp {[round(x, 3) for x in lc_pos]} (all {rate:.3f}), "
+          f"ours {[round(x, 3) for x in our_pos]}")
+    assert 0.05 < our_pos[0] < 0.95, our_pos
+    for a, b in zip(lc_pos, our_pos, strict=True):
+        assert abs(a - b) <= 0.1, (lc_pos, our_pos)
