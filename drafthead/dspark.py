@@ -140,8 +140,14 @@ class DsparkDrafter(DflashDrafter):
     def slot_logits(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h [.., H] normed slot outputs, prev [..] the token before each predicted one -> (logits [.., V],
         confidence logits [..] or None)."""
+        return self.markov_step(self.target_lm_head(h), h, prev)
+
+    def markov_step(self, base: torch.Tensor, h: torch.Tensor, prev: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The backbone's logits base [.., V] of slots h [.., H] -> (base + W2 . W1[prev], confidence logits [..]
+        or None). Split from the head so decoding runs the head once for the whole block."""
         e = self.markov_head.markov_w1(prev).to(h.dtype)  # [.., r]
-        logits = self.target_lm_head(h) + self.markov_head.markov_w2(e)  # [.., V]
+        logits = base + self.markov_head.markov_w2(e)  # [.., V]
         conf = None
         if self.confidence_head is not None:
             conf = self.confidence_head.proj(torch.cat([h, e], -1)).squeeze(-1)  # [..]
@@ -246,13 +252,15 @@ class DsparkRunner(BlockRunner):
         d: DsparkDrafter = self.drafter
         c = d.config
         out = self.block_out(roots)[:, c.first_slot: c.first_slot + k]  # [B, k, H]
+        # the target head once over the block (one pass over its weights); only the Markov term waits for prev
+        base = d.target_lm_head(out)  # [B, k, V]
         B = roots.shape[0]
         prev, drafts, qs = roots, [], []
         lengths = torch.full((B,), k, dtype=torch.long, device=roots.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=roots.device)
         u = torch.rand(B, k, generator=gen, device=roots.device) if temperature > 0 else None
         for j in range(k):
-            logits, conf = d.slot_logits(out[:, j], prev)  # [B, V], [B] | None
+            logits, conf = d.markov_step(base[:, j], out[:, j], prev)  # [B, V], [B] | None
             if stop_prob > 0 and conf is not None:
                 low = ~stopped & (conf.float().sigmoid() < stop_prob)
                 lengths = torch.where(low, torch.full_like(lengths, j), lengths)
@@ -314,13 +322,13 @@ def init(drafter: DsparkDrafter, target: Any, options: DsparkOptions) -> str:
     the backbone of a DFlash draft when `warm_start` names one."""
     from drafthead.dflash import init as dflash_init
 
-    said = dflash_init(drafter, target, replace_options(options))
+    said = dflash_init(drafter, target, _dflash_options(options))
     if options.warm_start is None:
         return said
     return warm_start(drafter, options.warm_start)
 
 
-def replace_options(options: DsparkOptions) -> Any:
+def _dflash_options(options: DsparkOptions) -> Any:
     """The DFlash options DFlash's init reads (only `init`)."""
     from drafthead.dflash import DflashOptions
 

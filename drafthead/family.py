@@ -54,7 +54,9 @@ class Drafter(Protocol):
     Training (trainer/):
         forward(input_ids [B, T], aux_hidden [B, T, F], last_hidden [B, T, H], teacher_probs [B, T, N],
                 target_argmax [B, T], loss_mask [B, T]) -> {"loss", "step_loss", "correct", "count"}
-        (the last three [num_draft_tokens]: per draft depth). A family reads the features it needs.
+        (the last three [num_draft_tokens]: per draft depth). A family reads the features it needs. Block
+        drafters add `accept_len` / `blocks` and `cond_correct` / `cond_count`, a drafter with a confidence head
+        `conf_error` / `conf_count`; the held-out eval reports what is there.
     Capture: `capture_layer_ids()` (inputs of these target decoder layers, `[]` = none); the target's last
         hidden state (after its final norm) is always captured, the teacher distribution comes from it.
     Runtime (drafthead/runtime):

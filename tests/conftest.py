@@ -96,3 +96,38 @@ def make_sharegpt(path: Path, n: int = 40, seed: int = 0) -> Path:
 def tiny_sharegpt(tmp_path_factory) -> Path:
     """A 40-conversation ShareGPT JSON file."""
     return make_sharegpt(tmp_path_factory.mktemp("data") / "tiny_sharegpt.json")
+
+
+# speculators 0.9.0's own config and model classes, for the conformance tests of our speculators exports. Every
+# speculators release pins transformers below ours, so it is never installed: its wheel and the modules its import
+# chain needs that we lack are fetched with `pip download --no-deps` into the asset cache, unpacked, and put at the
+# END of sys.path (what is installed wins).
+SPECULATORS_WHEELS = (("speculators", "0.9.0"), ("openai", "3.63.0"), ("jiter", "0.19.0"), ("loguru", "0.7.3"),
+                      ("pydantic-settings", "2.16.3"), ("hs_connectors", "0.9.0"))
+
+
+@pytest.fixture(scope="session")
+def speculators_models():
+    """The `speculators.models` package (0.9.0), or a skip naming why it could not be had."""
+    import importlib
+    import sys
+    import zipfile
+
+    from drafthead.assets import cache_dir, pip_download
+
+    try:
+        return importlib.import_module("speculators.models")
+    except ImportError:
+        pass
+    root = cache_dir() / "assets" / "speculators-0.9.0-site"
+    try:
+        if not (root / ".complete").is_file():
+            for name, version in SPECULATORS_WHEELS:
+                with zipfile.ZipFile(pip_download(name, version, cache_dir() / "pypi")) as z:
+                    z.extractall(root)
+            (root / ".complete").write_text("")
+    except RuntimeError as e:  # no package index here
+        pytest.skip(f"speculators 0.9.0 could not be fetched: {e}")
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    return importlib.import_module("speculators.models")

@@ -193,9 +193,7 @@ def test_bad_options_are_named(qwen3):
 
 
 def test_speculators_layout(qwen3, tiny_qwen3_dir, tmp_path):
-    """The export's fields and tensors are speculators 0.9.0's DSpark layout; when that package imports, its own
-    `DSparkSpeculatorConfig` validates our config.json and a `DSparkDraftModel` built from it has exactly our
-    tensor names and shapes and computes our Markov term."""
+    """The export's fields and tensors are speculators 0.9.0's DSpark layout (models/dspark/config.py)."""
     d = make_drafter(qwen3)
     src = save_draft(d, tmp_path / "final", {**qwen3.info(), "name_or_path": str(tiny_qwen3_dir)})
     out = export(src, "speculators", tmp_path / "spec")
@@ -213,8 +211,21 @@ def test_speculators_layout(qwen3, tiny_qwen3_dir, tmp_path):
     assert tuple(sd["confidence_head.proj.weight"].shape) == (1, H + 8)
     assert "lm_head.weight" not in sd and "embed_tokens.weight" not in sd
 
-    spec = pytest.importorskip("speculators.models.dspark", reason="PyPI `speculators` is not installed (it pins "
-                               "transformers below this project's; see docs/export.md)")
+
+
+def test_speculators_classes_take_our_export(qwen3, tiny_qwen3_dir, tmp_path, speculators_models):
+    """speculators 0.9.0's `DSparkSpeculatorConfig` validates our config.json; a `DSparkDraftModel` built from it has
+    exactly our tensor names and shapes and, loaded with our tensors, computes our Markov term."""
+    import importlib
+
+    from safetensors.torch import load_file
+
+    spec = importlib.import_module("speculators.models.dspark")
+    d = make_drafter(qwen3)
+    src = save_draft(d, tmp_path / "final", {**qwen3.info(), "name_or_path": str(tiny_qwen3_dir)})
+    out = export(src, "speculators", tmp_path / "spec")
+    cfg = json.loads((out / "config.json").read_text())
+    sd = load_file(str(out / "model.safetensors"))
     theirs_cfg = spec.DSparkSpeculatorConfig(**{k: v for k, v in cfg.items() if k != "drafthead"})
     assert theirs_cfg.markov_rank == 8 and theirs_cfg.sample_from_anchor is True
     model = spec.DSparkDraftModel(theirs_cfg)

@@ -172,9 +172,8 @@ def test_cli_store_embedding(drafts, tmp_path):
 # speculators' own loader, offline
 
 def speculators_model(drafts, key, tmp_path, monkeypatch):
-    """Our export of draft `key`, loaded offline by speculators' own `Eagle3DraftModel.from_pretrained`."""
-    pytest.importorskip("speculators", reason="PyPI `speculators` is not installed (every release pins "
-                        "transformers below this project's; see docs/export.md)")
+    """Our export of draft `key`, loaded offline by speculators' own `Eagle3DraftModel.from_pretrained`
+    (the `speculators_models` fixture has put the package on the path)."""
     import huggingface_hub.constants as hub_constants
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
@@ -189,7 +188,7 @@ def speculators_model(drafts, key, tmp_path, monkeypatch):
     return drafter, Eagle3DraftModel.from_pretrained(out, config=config).float().eval()
 
 
-def test_speculators_runs_eagle31_as_we_do(drafts, tmp_path, monkeypatch):
+def test_speculators_runs_eagle31_as_we_do(drafts, tmp_path, monkeypatch, speculators_models):
     """fc_norm and norm_output as speculators' model reads them: its TTT step 1 at the last row (inputs: the
     step-0 hidden and the pad id 0 its teacher forcing puts there) equals our KV-cached chain step."""
     drafter, model = speculators_model(drafts, "eagle31", tmp_path, monkeypatch)
@@ -210,7 +209,7 @@ def test_speculators_runs_eagle31_as_we_do(drafts, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("nbr", [False, True])
-def test_speculators_from_pretrained_offline(drafts, tmp_path, monkeypatch, nbr):
+def test_speculators_from_pretrained_offline(drafts, tmp_path, monkeypatch, nbr, speculators_models):
     drafter, model = speculators_model(drafts, nbr, tmp_path, monkeypatch)
     tdir = drafts["tdir"]
     assert model.config.norm_before_residual is nbr

@@ -21,7 +21,7 @@ from drafthead.runtime.draft import DraftMode
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
 from drafthead.trainer.engines import TorchEngine
-from drafthead.trainer.step import forward_backward, make_batch
+from drafthead.trainer.step import evaluate, forward_backward, make_batch
 from drafthead.trainer.config import load_config
 from drafthead.trainer.dist import Dist
 from drafthead.trainer.prepare import build_draft
@@ -109,6 +109,10 @@ def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
         engine.step()
         assert out["correct"].shape == out["count"].shape == (drafter.config.num_draft_tokens,)
     assert losses[-1] < losses[0], losses
+    res = evaluate(drafter, [batch], ds.head, Dist())  # the held-out eval reads every key the forward returns
+    assert 0 <= res["eval/acc_0"] <= 1 and res["eval/sim_accept_len"] >= 1
+    if "conf_error" in out:
+        assert 0 <= res["eval/confidence_error"] <= 1
     drafter.load_state_dict(before)  # the other checks start from the built drafter
 
 

@@ -125,6 +125,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     correct = count = loss = None
     blocks = torch.zeros(2, dtype=torch.float64)  # accepted prefix, blocks (families that draft blocks)
     cond = None  # [2, K] slot k right with every slot before it right, and blocks with slots < k right
+    conf = torch.zeros(2, dtype=torch.float64)  # |confidence - soft acceptance label| summed, drafts (DSpark)
     nb = 0
     for batch in batches:
         out = model(**drafter_inputs(batch, head))
@@ -136,6 +137,8 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
         if "cond_correct" in out:
             got = torch.stack([out["cond_correct"], out["cond_count"]]).double().cpu()
             cond = got if cond is None else cond + got
+        if "conf_error" in out:
+            conf += torch.tensor([float(out["conf_error"]), float(out["conf_count"])], dtype=torch.float64)
         nb += 1
     model.train(was)
     if correct is None:
@@ -155,4 +158,7 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     if cond is not None:  # a block drafter's health: P(slot k right | slots < k right), slot 1 first
         cond = all_reduce_data(cond, d)
         res.update({f"eval/cond_acc_{i}": float(c / n) if n > 0 else 0.0 for i, (c, n) in enumerate(cond.T.tolist())})
+    if conf[1] > 0:  # a drafter that predicts its own acceptance: how far off, on average
+        conf = all_reduce_data(conf, d)
+        res["eval/confidence_error"] = float(conf[0] / conf[1])
     return res
