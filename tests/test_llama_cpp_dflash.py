@@ -15,14 +15,14 @@ import time
 import pytest
 import torch
 
-from drafthead.assets import asset_path
 from drafthead.dflash import DflashDrafter, DflashOptions, build
 from drafthead.export import export
-from drafthead.export import llama_cpp as lc
 from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
 from drafthead.registry import save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
-from drafthead.target import capture, lm_head_weight, load_target
+
+from tests.llama_cpp_data import continuations
+from drafthead.target import capture, lm_head_weight
 
 pytestmark = pytest.mark.slow
 
@@ -51,29 +51,13 @@ def world(tmp_path_factory, bins):
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     root = tmp_path_factory.mktemp("llama_cpp_dflash")
-    target_gguf = asset_path("smollm2-135m-instruct")
-    target = load_target("smollm2-135m-instruct", dtype="float32")
-    tok = target.tokenizer
-    prompts = [lc.chat_prompt(tok, p) for p in PROMPTS]
-    alone = [lc.run_target(bins, target_gguf, p, N_PREDICT, THREADS, poll=POLL) for p in prompts]
-    longer = [lc.run_target(bins, target_gguf, p, N_PREDICT + BLOCK + 2, THREADS, poll=POLL) for p in prompts]
-    seqs, n_prompts = [], []
-    for p, c in zip(prompts, longer, strict=True):
-        n_prompts.append(len(tok(p, add_special_tokens=False).input_ids))
-        seqs.append(torch.tensor(tok(p + c.text, add_special_tokens=False).input_ids))
-    T = max(len(s) for s in seqs)
-    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
-    loss_mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, : len(s)], attn[i, : len(s)] = s, 1
-        loss_mask[i, n_prompts[i] - 1: len(s)] = 1  # the first block starts at the last prompt token
-    opts = DflashOptions(num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=[1, 14, 27])
+    data = continuations(bins, PROMPTS, N_PREDICT, BLOCK + 2, THREADS)
+    target, input_ids, loss_mask = data.target, data.input_ids, data.loss_mask
+    opts = DflashOptions(num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=[1, 14, 27],
+                         num_anchors=16)  # 16 blocks a sequence: dense 512 made the 400 steps ~5x slower
     cfg = build(target.config, opts, None, None)
-    aux, _ = capture(target.model, input_ids, attn, [i + 1 for i in cfg.target_layer_ids])  # [B, T, 3H]
-    nxt = torch.roll(input_ids, -1, dims=1)  # llama.cpp's own next token at j: a sharp teacher
-    argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)
-    teacher = torch.zeros(*input_ids.shape, cfg.vocab_size).scatter_(-1, nxt[..., None], 1.0)
+    aux, _ = capture(target.model, input_ids, data.attn, [i + 1 for i in cfg.target_layer_ids])  # [B, T, 3H]
+    argmax, teacher = data.argmax, data.teacher
 
     def new_drafter(seed: int) -> DflashDrafter:
         torch.manual_seed(seed)
@@ -99,8 +83,8 @@ def world(tmp_path_factory, bins):
     files = {}
     for name, d in drafters.items():
         files[name] = export(save_draft(d, root / name, target.info()), "gguf", root / f"{name}.gguf")
-    return dict(target=target, target_gguf=target_gguf, prompts=prompts, alone=alone, longer=longer,
-                drafters=drafters, files=files)
+    return dict(target=target, target_gguf=data.target_gguf, prompts=data.prompts, alone=data.alone,
+                longer=data.longer, drafters=drafters, files=files)
 
 
 def run_all(world, bins, name: str, verbose: bool = False) -> tuple[float, list[float], list[str]]:
