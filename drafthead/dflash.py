@@ -503,24 +503,35 @@ BLOCK = replace(CHAIN, propose=propose_block, check=check_block)  # verified and
 def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
           ) -> DflashConfig:
     """`capture.layer_ids` (layer inputs, drafthead's capture convention) wins over the options' z-lab ids."""
-    n = tcfg.num_hidden_layers
-    if layer_ids:
-        ids = [i - 1 for i in layer_ids]
-    else:
-        ids = list(options.target_layer_ids or default_target_layer_ids(n, options.num_layers))
     gamma = options.loss_decay_gamma or (7.0 if options.block_size >= 16 else 4.0)
     c = DflashConfig.from_target(tcfg, num_hidden_layers=options.num_layers, block_size=options.block_size,
-                                 mask_token_id=options.mask_token_id, target_layer_ids=ids,
+                                 mask_token_id=options.mask_token_id,
+                                 target_layer_ids=target_layer_ids(tcfg, options, layer_ids),
                                  intermediate_size=options.intermediate_size, num_anchors=options.num_anchors,
                                  overlap_anchors=options.overlap_anchors, anchor_chunk=options.anchor_chunk,
                                  loss_decay_gamma=gamma, labels=options.labels)
-    if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
-        raise ValueError(f"drafter.dflash.{bad_mask}")
-    bad = [i for i in ids if not 0 <= i < n - 1]
-    if bad:
-        raise ValueError(f"drafter.dflash.target_layer_ids: {bad} out of range (outputs of layers 0..{n - 2} of "
-                         f"the target's {n})")
+    check_built(c, tcfg, "dflash")
     return c
+
+
+def target_layer_ids(tcfg: Any, options: Any, layer_ids: list[int] | None) -> list[int]:
+    """`capture.layer_ids` (layer inputs) as z-lab ids, else the options' ids, else z-lab's spacing (DFlash and
+    DSpark options both carry `target_layer_ids` and `num_layers`)."""
+    if layer_ids:
+        return [i - 1 for i in layer_ids]
+    return list(options.target_layer_ids or default_target_layer_ids(tcfg.num_hidden_layers, options.num_layers))
+
+
+def check_built(c: DflashConfig, tcfg: Any, section: str) -> None:
+    """The mask token and layer ids of a built block-drafter config against the target, named under the recipe
+    section `drafter.<section>`."""
+    n = tcfg.num_hidden_layers
+    if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
+        raise ValueError(f"drafter.{section}.{bad_mask}")
+    bad = [i for i in c.target_layer_ids if not 0 <= i < n - 1]
+    if bad:
+        raise ValueError(f"drafter.{section}.target_layer_ids: {bad} out of range (outputs of layers 0..{n - 2} of "
+                         f"the target's {n})")
 
 
 def init(drafter: DflashDrafter, target: Any, options: DflashOptions) -> str:

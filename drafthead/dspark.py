@@ -31,10 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from drafthead.dflash import (BlockRunner, DflashConfig, DflashDrafter, default_target_layer_ids, mask_token_problem,
-                              sample_anchors)
+from drafthead.dflash import (BlockRunner, DflashConfig, DflashDrafter, check_built, sample_anchors,
+                              target_layer_ids)
 from drafthead.family import Family
-from drafthead.layers import decoder_layer_shape, given
 from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, Proposal, chain_proposal
 
 
@@ -297,23 +296,15 @@ DSPARK_BLOCK = replace(CHAIN, propose=propose_dspark, check=check_dspark)
 # ---- the family record ------------------------------------------------------------------------------
 def build(tcfg: Any, options: DsparkOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
           ) -> DsparkConfig:
-    n = tcfg.num_hidden_layers
-    ids = [i - 1 for i in layer_ids] if layer_ids else list(
-        options.target_layer_ids or default_target_layer_ids(n, options.num_layers))
-    kw = dict(decoder_layer_shape(tcfg), num_hidden_layers=options.num_layers, block_size=options.block_size,
-              mask_token_id=options.mask_token_id, target_layer_ids=ids, num_anchors=options.num_anchors,
-              overlap_anchors=options.overlap_anchors, anchor_chunk=options.anchor_chunk,
-              loss_decay_gamma=options.loss_decay_gamma, markov_rank=options.markov_rank,
-              confidence_head=options.confidence_head, sample_from_anchor=options.sample_from_anchor,
-              ce_weight=options.ce_weight, tv_weight=options.tv_weight, confidence_weight=options.confidence_weight)
-    kw.update(given({"intermediate_size": options.intermediate_size}))
-    c = DsparkConfig(**kw)
-    if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
-        raise ValueError(f"drafter.dspark.{bad_mask}")
-    bad = [i for i in ids if not 0 <= i < n - 1]
-    if bad:
-        raise ValueError(f"drafter.dspark.target_layer_ids: {bad} out of range (outputs of layers 0..{n - 2} of "
-                         f"the target's {n})")
+    c = DsparkConfig.from_target(
+        tcfg, num_hidden_layers=options.num_layers, block_size=options.block_size,
+        mask_token_id=options.mask_token_id, target_layer_ids=target_layer_ids(tcfg, options, layer_ids),
+        intermediate_size=options.intermediate_size, num_anchors=options.num_anchors,
+        overlap_anchors=options.overlap_anchors, anchor_chunk=options.anchor_chunk,
+        loss_decay_gamma=options.loss_decay_gamma, markov_rank=options.markov_rank,
+        confidence_head=options.confidence_head, sample_from_anchor=options.sample_from_anchor,
+        ce_weight=options.ce_weight, tv_weight=options.tv_weight, confidence_weight=options.confidence_weight)
+    check_built(c, tcfg, "dspark")
     return c
 
 
