@@ -181,6 +181,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
         generator = SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)
     spec, ar = spec_configs(cfg, mode)
     tok = target.tokenizer
+    print(f"runtime: {generator.model.paths()}")
 
     specs = {"speculative": spec, "autoregressive": ar}
     for sc in specs.values():
@@ -198,6 +199,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "drafter_family": drafter.family if drafter is not None else None,
                 "dtype": str(target.model.dtype).removeprefix("torch."),
                 "target_check": target_check,
+                "runtime_paths": generator.model.paths(),
                 "machine": machine_info(device)}
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
                           num_prompts=len(samples))

@@ -46,7 +46,7 @@ class BenchConfig:
     # block drafters: how many of the block's B-1 drafts to verify, one row each (null: 1, 2, 4, .., B-1).
     # A verify of n tokens costs more than a step as n grows (the curve below), so the best n is measured.
     block_drafts: list[int] | None = None
-    verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
     verify_prefix: int = 256  # cached prefix length of the verify-cost curve
     verify_repeats: int = 5
     device: str = "auto"
@@ -259,8 +259,36 @@ def bandwidth_bound(tm: Any, device: str, read: dict | None = None) -> dict:
         bw, how = read["median"], (f"median of {read['readings']} sums over {read['mib']} MiB taking turns with the "
                                    f"forwards")
         spread = [read["min"] / 1e9, read["max"] / 1e9]
-    return {"kernel": tm.kernel, "weights": tm.weights, "weight_bytes": nbytes, "read_gb_per_s": bw / 1e9,
+    # the weights as the kernel streams them: the fp32 kernel's storage (fp32, bf16, int8), else the model's dtype
+    weights = tm.weights if tm.kernel == "fp32" else str(tm.dtype).removeprefix("torch.")
+    return {"kernel": tm.kernel, "weights": weights, "weight_bytes": nbytes, "read_gb_per_s": bw / 1e9,
             "read_gb_per_s_range": spread, "read": how, "bound_ms": 1000 * nbytes / bw}
+
+
+def compute_rate(tm: Any, device: str) -> dict | None:
+    """The compute side of the roofline: the decode kernel's multiply-add rate from registers on this machine's
+    threads, and the multiply-adds a token takes. None where no CPU decode kernel runs (oneDNN, GPU)."""
+    from drafthead.kernels import cpu_linear
+    if device != "cpu" or not tm.kernel:
+        return None
+    rate = cpu_linear.peak_macs(tm.kernel)
+    return {"kernel": tm.kernel, "macs_per_token": tm.multiply_adds(), "peak_gmacs_per_s": rate / 1e9,
+            "threads": torch.get_num_threads()}
+
+
+def roofline(curve: list[dict], bound: dict, compute: dict | None) -> None:
+    """Adds to each verify-cost row its roofline: max(bytes streamed / read bandwidth, n x multiply-adds a token /
+    the kernel's measured rate), the ratio to it, and the kernel's tile path at n rows."""
+    from drafthead.kernels import cpu_linear
+    for row in curve:
+        row["bandwidth_ms"] = bound["bound_ms"]
+        if compute is None:
+            continue
+        n = row["num_tokens"]
+        row["compute_ms"] = 1000 * n * compute["macs_per_token"] / (compute["peak_gmacs_per_s"] * 1e9)
+        row["roofline_ms"] = max(row["bandwidth_ms"], row["compute_ms"])
+        row["x_roofline"] = row["ms"] / row["roofline_ms"]
+        row["tile_path"] = cpu_linear.tile_path(compute["kernel"], n)
 
 
 def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generator: Any = None) -> dict:
@@ -321,15 +349,19 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     tm = generator.model if isinstance(generator.model, TargetModel) else TargetModel(target.model)
     curve, read = verify_cost_curve(tm, prefix, sizes, cfg.verify_repeats, device, read_mib=512)
     bound = bandwidth_bound(tm, device, read)
+    compute = compute_rate(tm, device)
+    roofline(curve, bound, compute)
     hf_curve = hf_verify_cost_curve(target.model, prefix, sizes, cfg.verify_repeats, device)
 
     result = {"settings": {**dataclasses.asdict(cfg), "target": getattr(target, "name_or_path", None),
                            "weights_dtype": str(target.model.dtype).removeprefix("torch."),
                            "num_prompts": len(prompts), "machine": machine_info(device),
+                           "runtime_paths": tm.paths(),
                            "target_check": target_check},
               "methods": {n: {k: v for k, v in r.items() if k != "outputs"} for n, r in rows.items()},
               "verify_cost": curve,
               "bandwidth_bound": bound,
+              "compute_rate": compute,
               "verify_cost_hf": hf_curve,
               "definitions": {
                   "tokens_per_s": "generated tokens / wall time of the per-prompt generate calls (prefill "
@@ -345,7 +377,12 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
                   "bandwidth_bound": "bytes of projection weights one generated token streams / measured read "
                                      "bandwidth (the median of sums over a 512 MiB tensor, one in each round "
                                      "of the verify_cost forwards): the least a 1-token forward can cost when "
-                                     "weights come from memory"}}
+                                     "weights come from memory",
+                  "compute_rate": "multiply-adds a second that the decode kernel's multiply instruction sustains "
+                                  "from registers on every thread (measured here), and the multiply-adds one token "
+                                  "takes in the projections and head",
+                  "roofline_ms": "max(bandwidth bound, num_tokens x multiply-adds a token / that rate): the least "
+                                 "a forward of num_tokens can cost; x_roofline = ms / roofline_ms"}}
     print(format_table(result))
     if cfg.out:
         out = Path(cfg.out)
@@ -382,10 +419,17 @@ def format_table(result: dict) -> str:
         lines.append(line)
     lines.append(f"target verify cost: one forward of n tokens on a cached prefix of "
                  f"{result['settings']['verify_prefix']} tokens")
-    lines.append(f"{'n':>4} {'ours ms':>9} {'x n=1':>6} {'HF ms':>9} {'x n=1':>6}")
+    cr = result.get("compute_rate")
+    if cr:
+        lines.append(f"compute: {cr['macs_per_token'] / 1e6:.0f}M multiply-adds a token, {cr['kernel']} kernel's "
+                     f"instruction at {cr['peak_gmacs_per_s']:.0f} GMAC/s on {cr['threads']} threads; roofline = "
+                     f"max(bandwidth ms, compute ms)")
+    lines.append(f"{'n':>4} {'ours ms':>9} {'x n=1':>6} {'HF ms':>9} {'x n=1':>6} {'bw ms':>7} {'mac ms':>7} "
+                 f"{'x roof':>6}  tile path")
     for c, h in zip(result["verify_cost"], result["verify_cost_hf"]):
         lines.append(f"{c['num_tokens']:>4} {c['ms']:>9.2f} {c['relative_to_first']:>6.2f} {h['ms']:>9.2f} "
-                     f"{h['relative_to_first']:>6.2f}")
+                     f"{h['relative_to_first']:>6.2f} {f(c.get('bandwidth_ms')):>7} {f(c.get('compute_ms')):>7} "
+                     f"{f(c.get('x_roofline')):>6}  {c.get('tile_path', '')}")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""The CPU decode kernels alone: one pass over a model's projections at 1..16 rows, against the bandwidth bound.
+"""The CPU decode kernels alone: one pass over a model's projections at 1..64 rows, against the roofline.
 
     python scripts/bench_cpu_linear.py                          # SmolLM2-135M's 30 layers of projections
     python scripts/bench_cpu_linear.py rows=[1,8] layers=30 repeats=7 threads=2
@@ -7,8 +7,9 @@ Why: `drafthead bench` times whole forwards, where attention and Python overhead
 cost. Here random weights of SmolLM2's shapes (q, k, v, o, gate, up, down per layer; ~530 MB in fp32, far
 past the caches) go through each kernel the runtime can pick (the fp32 AVX2 kernel with fp32 / bf16 / int8
 weights, the AVX512-BF16 kernel where the CPU has it) and through oneDNN (`F.linear`) for fp32, at each row
-count. Prints ms per pass, the weight bytes streamed per ms (GB/s), the cost relative to 1 row and the bound
-(bytes / the measured read bandwidth).
+count. Prints ms per pass, the weight bytes streamed per ms (GB/s), the cost relative to 1 row, the bandwidth bound
+(bytes / the measured read bandwidth) and the roofline: max(that bound, rows x weights / the multiply-add rate the
+kernel's instruction sustains from registers here, `cpu_linear.peak_macs`); oneDNN gets the bandwidth side only.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from drafthead import hardware  # noqa: E402
 from drafthead.kernels import cpu_linear  # noqa: E402
 from drafthead.eval.bench import read_bandwidth  # noqa: E402
 
-DEFAULTS = dict(rows=[1, 2, 4, 8, 16], layers=30, hidden=576, kv=192, ffn=1536, repeats=7, threads=None)
+DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7, threads=None)
 
 
 def shapes(c) -> list[tuple[int, int]]:
@@ -55,6 +56,8 @@ def main(argv: list[str]) -> int:
     print(f"CPU class {hardware.cpu_class()}, {torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s, "
           f"{len(weights)} projections, {sum(w.numel() for w in weights) / 1e6:.1f}M weights")
     methods: dict[str, tuple[list, int]] = {}  # name -> (per-projection callables by rows, bytes per pass)
+    peak = {k: cpu_linear.peak_macs(k) / 1e9 for k in cpu_linear.KINDS if cpu_linear.available(k)}  # GMAC/s
+    print("multiply-add rate from registers: " + ", ".join(f"{k} kernel {r:.0f} GMAC/s" for k, r in peak.items()))
     if cpu_linear.available("fp32"):
         for storage in ("fp32", "bf16", "int8"):
             packed = []
@@ -70,22 +73,28 @@ def main(argv: list[str]) -> int:
     if cpu_linear.available("bf16"):  # bf16 activations too: what the runtime runs for a bf16 target
         packed16 = [(cpu_linear.pack(w.bfloat16()), w.shape[0]) for w in weights]
         methods["AVX512-BF16 kernel, bf16"] = (
-            lambda x: [cpu_linear.linear(xk(x, w).bfloat16(), p, n) for (p, n), w in zip(packed16, weights)],
+            lambda x: [cpu_linear.linear(xk(x, w).bfloat16(), p, n, stream=True)  # as the runtime runs a target's
+                        for (p, n), w in zip(packed16, weights)],
             sum(w.numel() * 2 for w in weights))
     else:
         print(f"AVX512-BF16 kernel skipped: {cpu_linear.unavailable_reason('bf16')}")
     methods["oneDNN F.linear, fp32"] = (lambda x: [F.linear(xk(x, w), w) for w in weights],
                                         sum(w.numel() * 4 for w in weights))
-    print("\n| method | rows | ms | GB/s | vs 1 row | vs bound |\n|---|---|---|---|---|---|")
+    macs = sum(w.numel() for w in weights)  # a row's multiply-adds
+    print("\n| method | rows | ms | GB/s | vs 1 row | vs bound | compute ms | vs roofline |\n"
+          "|---|---|---|---|---|---|---|---|")
     for name, (run, nbytes) in methods.items():
         bound = nbytes / bw / 1e6
+        rate = peak.get("bf16" if name.startswith("AVX512-BF16") else "fp32" if name.startswith("fp32") else "")
         base = None
         for m in c.rows:
             x = torch.randn(m, c.hidden, generator=g)
             ms = timed(lambda: run(x), c.repeats)
             base = base or ms
-            print(f"| {name} | {m} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {ms / base:.2f}x | {ms / bound:.2f}x |",
-                  flush=True)
+            compute = m * macs / rate / 1e6 if rate else None
+            roof = f"{compute:.1f} | {ms / max(bound, compute):.2f}x" if compute else "n/a | n/a"
+            print(f"| {name} | {m} | {ms:.1f} | {nbytes / ms / 1e6:.1f} | {ms / base:.2f}x | {ms / bound:.2f}x | "
+                  f"{roof} |", flush=True)
     return 0
 
 

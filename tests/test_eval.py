@@ -402,6 +402,22 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
     assert bound["read_gb_per_s"] > 0 and bound["bound_ms"] > 0
     lo, hi = bound["read_gb_per_s_range"]  # one reading a round of the verify forwards, the median between
     assert lo <= bound["read_gb_per_s"] <= hi and "taking turns with the forwards" in bound["read"]
+    compute = on_disk["compute_rate"]  # the roofline's compute side: the kernel's rate, the token's multiply-adds
+    if bound["kernel"] is None:
+        assert compute is None and "compute_ms" not in on_disk["verify_cost"][0]
+    else:
+        assert compute["kernel"] == "fp32" and compute["peak_gmacs_per_s"] > 0 and compute["threads"] == 1
+        assert compute["macs_per_token"] == c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+        for row in on_disk["verify_cost"]:
+            n = row["num_tokens"]
+            assert row["compute_ms"] == pytest.approx(1000 * n * compute["macs_per_token"]
+                                                      / (compute["peak_gmacs_per_s"] * 1e9))
+            assert row["roofline_ms"] == max(row["bandwidth_ms"], row["compute_ms"])
+            assert row["x_roofline"] == pytest.approx(row["ms"] / row["roofline_ms"])
+            assert row["tile_path"] == cpu_linear.tile_path("fp32", n) and row["tile_path"].startswith("fp32")
+        from drafthead.eval.bench import format_table
+        table = format_table(on_disk)
+        assert "x roof" in table and on_disk["verify_cost"][-1]["tile_path"] in table
 
 
 def test_cli_eval_loads_target_from_the_draft_config_and_reads_the_heldout_split(tiny_llama_dir, tmp_path):

@@ -273,10 +273,11 @@ def test_bf16_verify_block_is_bitwise_single_steps() -> None:
     target = tiny_target("llama", dtype=torch.bfloat16, seed=9, hidden_size=64, intermediate_size=128)
     tm = TargetModel(target.model, aux_layer_ids=[0, 1, 1])
     g = torch.Generator().manual_seed(0)
-    prefix, new = torch.randint(3, 128, (2, 11), generator=g), torch.randint(3, 128, (2, 9), generator=g)
-    logits, aux = forward_in_blocks(tm, prefix, new, [1] * 9, 40)
-    for sizes in ([9], [2, 3, 4], [5, 1, 3]):
-        lg, ax = forward_in_blocks(tm, prefix, new, sizes, 40)
+    # up to 40 tokens x 2 rows a call: every tile path of the bf16 kernel (one tile, two sharing K chunks, many)
+    prefix, new = torch.randint(3, 128, (2, 11), generator=g), torch.randint(3, 128, (2, 40), generator=g)
+    logits, aux = forward_in_blocks(tm, prefix, new, [1] * 40, 60)
+    for sizes in ([40], [2, 3, 4, 31], [5, 1, 3, 7, 24], [12, 16, 12]):
+        lg, ax = forward_in_blocks(tm, prefix, new, sizes, 60)
         assert torch.equal(lg, logits), sizes
         assert torch.equal(ax, aux), sizes
 

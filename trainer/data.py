@@ -611,6 +611,11 @@ class _Answerer:
             self.gen_kw.update(temperature=None, top_p=None, top_k=None)
         self.runtime = _ar_runtime(target, self.eot)
 
+    def describe(self) -> str:
+        if self.runtime is None:
+            return f"HF generate (batches of {self.opts.batch_size}; the runtime does not run this architecture)"
+        return f"our runtime's batched loop (batches of {self.opts.batch_size}); {self.runtime.model.paths()}"
+
     def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         import torch
 
@@ -706,6 +711,7 @@ def regenerate(target, convs: list[Conversation], out_path: str, opts: AnswerOpt
         print(f"regenerate: {long_prompts} conversations keep their original answers: first prompt longer than "
               f"max_prompt_tokens={opts.max_prompt_tokens}", flush=True)
     answer = _Answerer(target, opts)
+    print(f"regenerate: {answer.describe()}", flush=True)
     limit = getattr(target.model.config, "max_position_embeddings", None)
     side, tok.padding_side = tok.padding_side, "left"
     too_long, new_tokens, t0 = 0, 0, time.time()

@@ -16,6 +16,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <chrono>
+#include <vector>
+
 namespace {
 
 constexpr int64_t kLanes = 16;  // outputs per packed block
@@ -199,12 +202,44 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   return y;
 }
 
+// Multiply-adds a second that `vdpbf16ps` sustains from registers alone on every thread torch runs (24 independent
+// accumulators a thread, no loads): the compute side of the roofline `drafthead bench` compares a forward of n
+// tokens with. A tile's loads and broadcasts come on top, so the kernel can only approach it.
+double peak_macs(int64_t iters) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sink(threads * kLanes);
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      __m512 acc[24];
+      for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+      __m512i w = _mm512_set1_epi32(0x3f803f80 + static_cast<int32_t>(c));  // (1, 1) in bf16, a live value
+      __m512i xb = _mm512_set1_epi32(0x00010001);  // tiny values: the sums stay finite
+      for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 24
+        for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)xb, (__m512bh)w);
+        __asm__ volatile("" : "+v"(w), "+v"(xb));  // not hoisted or folded
+      }
+      __m512 s = acc[0];
+      for (int i = 1; i < 24; ++i) s = _mm512_add_ps(s, acc[i]);
+      _mm512_storeu_ps(sink.data() + c * kLanes, s);
+    }
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float keep = sink[0];
+  (void)keep;
+  return static_cast<double>(threads) * iters * 24 * 32 / sec;  // 32 multiply-adds an instruction
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "bf16 weight [N, K] -> packed [ceil(N/16), K/2, 16, 2], blocks in groups of 4 per k-pair");
   m.def("linear", &linear, "bf16 x [M, K] @ packed weight (+ bias) -> [M, N]; stream: prefetch the weight "
         "non-temporally", py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"), py::arg("stream") = false);
+  m.def("peak_macs", &peak_macs, "multiply-adds a second of vdpbf16ps from registers on torch's threads",
+        py::arg("iters"));
   m.attr("GROUP") = kGroup;
+  m.attr("ROWS") = kRows;
   m.attr("LINEAR") = py::capsule(reinterpret_cast<void*>(&linear_raw), "drafthead.bf16_linear");  // blocks side by side per k-pair: cpu_linear.concat regroups joined parts by it
 }

@@ -182,6 +182,39 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return y.view(*x.shape[:-1], out_features)
 
 
+def peak_macs(kind: str, seconds: float = 0.3) -> float:
+    """Multiply-adds a second the kernel's multiply instruction sustains from registers on torch's threads
+    (`vdpbf16ps` for bf16; 16-lane FMAs for fp32 where its AVX-512 tiles are on, else 8-lane): the compute side of
+    the roofline a forward of n tokens is compared with. The best of three timings of about `seconds` each, after
+    one that lets the clocks settle."""
+    ext = _ext(kind)
+    iters = 100_000
+    while True:  # calibrate: each call should run about `seconds`
+        rate = ext.peak_macs(iters)
+        per_iter = 24 * (32 if kind == "bf16" else (16 if avx512_tiles() else 8)) * torch.get_num_threads()
+        if iters * per_iter / rate >= seconds / 4 or iters > 1 << 32:
+            break
+        iters *= 4
+    iters = max(1, int(iters * seconds / (iters * per_iter / rate)))
+    return max(ext.peak_macs(iters) for _ in range(3))
+
+
+def tile_path(kind: str, rows: int) -> str:
+    """Which tile path the projections of a `rows`-row call take in the kernel of this kind (for reports)."""
+    ext = _ext(kind)
+    if kind == "bf16":
+        if rows <= ext.ROWS:
+            return f"bf16 AVX512-BF16, one {rows}-row tile x 64 outputs over K"
+        if rows <= 2 * ext.ROWS:
+            return f"bf16 AVX512-BF16, two tiles of <= {ext.ROWS} rows sharing K chunks"
+        return f"bf16 AVX512-BF16, {ext.ROWS}-row tiles one after another over K"
+    if rows == 1:
+        return "fp32, 1 row x 48 outputs in 8 lanes"
+    if avx512_tiles():
+        return "fp32, 16-lane tiles of <= 8 rows x 48 outputs"
+    return "fp32, 8-lane tiles of <= 4 rows x 24 outputs, next item prefetched into L2"
+
+
 def compress(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """fp32 weight [N, K] -> (stored [N, K] for `pack_fp32`, per-output scale [N] or None, the fp32 weight
     the stored form stands for). bf16: round to nearest even; int8: symmetric per output row, 127 levels.

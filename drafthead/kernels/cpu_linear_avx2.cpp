@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -275,6 +276,54 @@ void run(const float* X, int64_t M, int64_t K, const W* P, int64_t NB, const flo
       }
     }
   });
+}
+
+// Multiply-adds a second that the FMAs of the multi-row tiles sustain from registers alone on every thread torch
+// runs (independent accumulators, no loads): 16-lane FMAs where the AVX-512 tiles are on, else 8-lane ones. The
+// compute side of the roofline `drafthead bench` compares a forward of n tokens with.
+template <typename Body>
+double timed_on_threads(Body body) {
+  const int64_t threads = at::get_num_threads();
+  std::vector<float> sink(threads);
+  const auto t0 = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) sink[c] = body(c);
+  });
+  const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile float keep = sink[0];
+  (void)keep;
+  return static_cast<double>(threads) / sec;
+}
+
+float fma_loop8(int64_t iters, int64_t c) {
+  __m256 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
+  __m256 w = _mm256_set1_ps(0.999f), xb = _mm256_set1_ps(1e-3f + static_cast<float>(c));
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(xb, w, acc[i]);
+    __asm__ volatile("" : "+x"(w), "+x"(xb));  // not hoisted or folded
+  }
+  for (int i = 1; i < 12; ++i) acc[0] = _mm256_add_ps(acc[0], acc[i]);
+  return _mm256_cvtss_f32(acc[0]);
+}
+
+DRAFTHEAD_AVX512 float fma_loop16(int64_t iters, int64_t c) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  __m512 w = _mm512_set1_ps(0.999f), xb = _mm512_set1_ps(1e-3f + static_cast<float>(c));
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 24
+    for (int i = 0; i < 24; ++i) acc[i] = _mm512_fmadd_ps(xb, w, acc[i]);
+    __asm__ volatile("" : "+v"(w), "+v"(xb));
+  }
+  for (int i = 1; i < 24; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);
+  return _mm512_cvtss_f32(acc[0]);
+}
+
+double peak_macs(int64_t iters) {
+  if (avx512_tiles()) return iters * 24.0 * 16 * timed_on_threads([&](int64_t c) { return fma_loop16(iters, c); });
+  return iters * 12.0 * 8 * timed_on_threads([&](int64_t c) { return fma_loop8(iters, c); });
 }
 
 // w [N, K] (float32, bfloat16 stored as int16 bits, or int8) -> [ceil(N/8), K, 8], zero-padded outputs: the shape
@@ -1398,6 +1447,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "weight [N, K] (float32, bf16 bits as int16, int8) -> packed [ceil(N/8), K, 8], blocks in "
         "groups of 3 per k");
   m.def("linear", &linear, "float32 x [M, K] @ packed weight (* scale) (+ bias) -> [M, N]");
+  m.def("peak_macs", &peak_macs, "multiply-adds a second of the multi-row tiles' FMAs from registers on torch's "
+        "threads", py::arg("iters"));
   m.attr("GROUP") = kGroup;  // blocks side by side per k: cpu_linear.concat regroups joined parts by it
   m.def("rms_norm", &rms_norm, "x [..., H], weight [H], eps -> weight * x / rms(x), row by row, x's dtype");
   m.def("rope", &rope, "x [B, T, heads, D], cos, sin [B, T, D] or [B, 1, T, D] -> rotate-half RoPE, contiguous "

@@ -95,9 +95,10 @@ class TargetModel:
         # (fp32 math for fp32 and bf16 tokens, one call each) where they run; else torch's, and SDPA calls of a
         # fixed query count for attention (`attend`)
         self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
-        # prompts through the decode kernels too (faster than oneDNN for prompts on the AVX512-BF16 and AVX2 classes:
-        # docs/experiment_log.md, "Figures behind code choices"), except on AMX CPUs, whose oneDNN tiles are built
-        # for many rows (not measured against the kernels there)
+        # prompts through the decode kernels too (faster than oneDNN at every row count measured, 1-512, on the
+        # AVX512-BF16 and AVX2 classes: docs/experiment_log.md, "Figures behind code choices"), except on AMX CPUs,
+        # whose oneDNN tiles are built for many rows (not measured against the kernels there). Batched regeneration
+        # and batched eval run these same paths; `paths()` says which in their logs.
         self.prompt_kernel = self.decode_ops and hardware.cpu_class() != "AMX"
         self.silu = getattr(c, "hidden_act", None) == "silu"
         # generated tokens' layers in one call each (`cpu_linear.decode_layer`: the same kernels and ops, the same
@@ -175,6 +176,24 @@ class TargetModel:
             parts = [joined] if joined is not None else [self.packed(p) for p in group]
             total += sum(cpu_linear.packed_bytes(p) for p in parts)
         return total
+
+    def paths(self) -> str:
+        """Which code runs prompts and generated tokens' projections here, in words, for logs and reports."""
+        if not self.decode_kernel:
+            return "prompts and generated tokens: torch (oneDNN on CPU)"
+        prompts = (f"the {self.kernel} decode kernel" if self.prompt_kernel
+                   else "oneDNN (AMX tiles; not measured against the kernel)")
+        return f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel (row-invariant)"
+
+    def multiply_adds(self) -> int:
+        """Multiply-adds one token takes in the projections and the head (MoE: the router and top-k experts): the
+        compute side of a forward's roofline; attention, norms and the rest are left out."""
+        dense = sum(p.weight.numel() for p in dict.fromkeys(self.projections()))
+        moe = 0
+        for layer, is_moe in zip(self.layers, self.moe):
+            if is_moe:
+                moe += moe_active_bytes(layer.mlp, self.model.config) // next(layer.mlp.parameters()).element_size()
+        return dense + moe
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
         """Zeroed KV cache [B, L*2*kvh, S, D]."""
