@@ -89,8 +89,62 @@ def _same_bits_at_every_row_count(x, packed, N, b, alone) -> None:
             # a streamed weight (a target's, prefetched non-temporally) gives the same bits
             assert torch.equal(cpu_linear.linear(x[start: start + M], packed, N, b, stream=True),
                                alone[start: start + M]), M
-    three_d = cpu_linear.linear(x[:12].view(3, 4, 576), packed, N, b)  # [B, T, K] in, [B, T, N] out
+    three_d = cpu_linear.linear(x[:12].view(3, 4, x.shape[1]), packed, N, b)  # [B, T, K] in, [B, T, N] out
     assert torch.equal(three_d.view(12, N), alone[:12])
+
+
+def _has_amx() -> bool:
+    from drafthead import hardware
+    return {"amx_bf16", "amx_tile"} <= hardware.cpu_flags()
+
+
+@needs_kernel
+def test_amx_path_is_off_by_default_and_refused_cleanly_without_amx() -> None:
+    """The AMX tiles are opt-in. Where the CPU has no AMX, asking for them is a named error and the AVX512-BF16 tiles
+    keep running (same bits as before the request); where it has AMX, they turn on and off."""
+    assert cpu_linear.amx() is False or os.environ.get("DRAFTHEAD_AMX") == "1"
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(64, 96, generator=g).bfloat16(), torch.randn(5, 96, generator=g).bfloat16()
+    packed = cpu_linear.pack(w)
+    before = cpu_linear.linear(x, packed, 64)
+    if not _has_amx():
+        with pytest.raises(RuntimeError, match="AMX tiles: this CPU .* lacks amx_bf16, amx_tile"):
+            cpu_linear.amx(True)
+        assert cpu_linear.amx() is False and torch.equal(cpu_linear.linear(x, packed, 64), before)
+        assert "AMX" not in cpu_linear.tile_path("bf16", 8)
+        return
+    try:
+        assert cpu_linear.amx(True) is True and cpu_linear.tile_path("bf16", 8).startswith("bf16 AMX")
+    finally:
+        cpu_linear.amx(False)
+    assert cpu_linear.amx() is False and torch.equal(cpu_linear.linear(x, packed, 64), before)
+
+
+@needs_kernel
+@pytest.mark.skipif(not _has_amx(), reason="no AMX on this CPU (amx_bf16, amx_tile): the AMX tiles cannot run here")
+@pytest.mark.parametrize("N,K", [(100, 576), (300, 576), (1536, 576), (576, 1536), (64, 96)])
+def test_amx_rows_have_the_same_bits_at_1_to_70_rows_and_match_the_reference(N: int, K: int) -> None:
+    """With the AMX tiles on: within one bf16 rounding of the fp64 product, and a row's bits equal at every row count
+    1..70 and position (16-row A tiles, partial groups). A K that is not a multiple of 32 stays on the AVX512-BF16
+    tiles, with their bits."""
+    g = torch.Generator().manual_seed(N + K)
+    w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+    b = torch.randn(N, generator=g).to(torch.bfloat16)
+    x = torch.randn(70, K, generator=g).to(torch.bfloat16)
+    packed = cpu_linear.pack(w)
+    odd = torch.randn(N, 34, generator=g).to(torch.bfloat16)  # K = 34: not a multiple of 32
+    odd_x = torch.randn(9, 34, generator=g).to(torch.bfloat16)
+    odd_before = cpu_linear.linear(odd_x, cpu_linear.pack(odd), N, b)
+    cpu_linear.amx(True)
+    try:
+        alone = torch.cat([cpu_linear.linear(x[i: i + 1], packed, N, b) for i in range(70)])
+        ref = reference(x, w, b)
+        tol = ref.abs() * 2.0 ** -8 + x.double().abs() @ w.double().abs().t() * 2.0 ** -20 + 1e-30
+        assert ((alone.double() - ref).abs() <= tol).all()
+        _same_bits_at_every_row_count(x, packed, N, b, alone)
+        assert torch.equal(cpu_linear.linear(odd_x, cpu_linear.pack(odd), N, b), odd_before)
+    finally:
+        cpu_linear.amx(False)
 
 
 @needs_kernel

@@ -16,7 +16,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -173,13 +179,127 @@ void run_groups(const at::BFloat16* X, int64_t M, int64_t K, const at::BFloat16*
   });
 }
 
+// ---- AMX tiles, on CPUs that have them (opt-in: `cpu_linear.amx(True)` or DRAFTHEAD_AMX=1) -------------------------
+// Why: on the AMX Xeon the vdpbf16ps tiles above reach a third of the read bandwidth at one row and grow linearly past
+// 8 rows, where oneDNN's AMX path stays flat. A packed block [K/2, 16, 2] is already the layout a `tdpbf16ps` B tile
+// reads: 16 k-pairs (rows, 64 bytes each: 16 outputs x a bf16 pair) at the group's k-pair stride. So a tile of up to
+// 16 rows of x (A: 32 bf16 a row) times a block's next 16 k-pairs adds to 16 rows x 16 outputs of fp32 (C), over K in
+// chunks of 32 in order, then `finish` as above. Each C element depends on its own row of x alone and the chunks run
+// in one order whatever the row count, so a row keeps its bits in any call; a weight takes this path for every
+// row count or for none (K % 32 == 0; others stay on the tiles above), so its rows never mix the two. Not yet
+// measured or checked for bits on an AMX machine: off unless asked for, and tests/test_cpu_linear.py checks it
+// where the CPU has AMX.
+constexpr int64_t kAmxK = 32;    // bf16 of x a chunk: one 64-byte A row, 16 k-pairs of B
+constexpr int kAmxRows = 16;     // rows of x per A tile
+bool g_amx = false;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C of blocks 0-3 (R rows x 16 fp32); 4: A (R rows x 32 bf16); 5-7: B (16 k-pairs x 16 pairs).
+__attribute__((target("amx-tile"))) inline void amx_config(int R) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) { c.rows[t] = static_cast<uint8_t>(R); c.colsb[t] = 64; }
+  for (int t = 5; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+// Rows m0..m0+R-1 (R <= 16) against blocks b0..b0+B-1 of one group, over the whole of K (K % 32 == 0).
+template <int B, bool NT>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p,
+                                                           int64_t b0, int64_t N, int64_t m0, int R, float* acc) {
+  const int64_t KP = K / 2, NB = (N + kLanes - 1) / kLanes;
+  const int64_t g0 = b0 / kGroup * kGroup;
+  const int64_t width = std::min<int64_t>(kGroup, NB - g0);  // blocks side by side in this group
+  const at::BFloat16* base = p + g0 * KP * 2 * kLanes + (b0 - g0) * 2 * kLanes;
+  const int64_t kstride = width * 2 * kLanes;  // elements from one k-pair to the next within a block
+  const int64_t bstride = kstride * 2;  // bytes: a B tile's row stride
+  const at::BFloat16* xa = x + m0 * K;
+  amx_config(R);
+  _tile_zero(0);
+  if constexpr (B > 1) _tile_zero(1);
+  if constexpr (B > 2) _tile_zero(2);
+  if constexpr (B > 3) _tile_zero(3);
+  for (int64_t kc = 0; kc < K; kc += kAmxK) {
+    const at::BFloat16* w = base + (kc / 2) * kstride;  // k-pair kc/2 of block b0
+    const char* ahead = reinterpret_cast<const char*>(w + 2 * kAmxK / 2 * kstride);  // two chunks on
+    for (int64_t l = 0; l < 16 * bstride; l += 64) _mm_prefetch(ahead + l, NT ? _MM_HINT_NTA : _MM_HINT_T0);
+    _tile_loadd(4, xa + kc, K * 2);
+    _tile_loadd(5, w, bstride);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (B > 1) { _tile_loadd(6, w + 2 * kLanes, bstride); _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (B > 2) { _tile_loadd(7, w + 4 * kLanes, bstride); _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (B > 3) { _tile_loadd(5, w + 6 * kLanes, bstride); _tile_dpbf16ps(3, 4, 5); }
+  }
+  const int64_t cstride = B * kLanes * 4;  // bytes between rows of acc [R][B][16]
+  _tile_stored(0, acc, cstride);
+  if constexpr (B > 1) _tile_stored(1, acc + kLanes, cstride);
+  if constexpr (B > 2) _tile_stored(2, acc + 2 * kLanes, cstride);
+  if constexpr (B > 3) _tile_stored(3, acc + 3 * kLanes, cstride);
+}
+
+__attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
+
+template <bool NT>
+void amx_groups(const at::BFloat16* X, int64_t M, int64_t K,
+                                                    const at::BFloat16* P, int64_t NB, const float* bias,
+                                                    at::BFloat16* Y, int64_t N) {
+  static_assert(kGroup == 4, "the AMX tiles hold a group's 4 blocks in C tiles 0-3");
+  const int64_t NG = (NB + kGroup - 1) / kGroup;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NG));
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    alignas(64) float acc[kAmxRows * kGroup * kLanes];
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t g = NG * c / chunks; g < NG * (c + 1) / chunks; ++g) {
+        const int64_t b0 = g * kGroup;
+        const int B = static_cast<int>(std::min<int64_t>(kGroup, NB - b0));
+        for (int64_t m = 0; m < M; m += kAmxRows) {
+          const int R = static_cast<int>(std::min<int64_t>(kAmxRows, M - m));
+          switch (B) {
+            case 4: amx_tile<4, NT>(X, K, P, b0, N, m, R, acc); break;
+            case 3: amx_tile<3, NT>(X, K, P, b0, N, m, R, acc); break;
+            case 2: amx_tile<2, NT>(X, K, P, b0, N, m, R, acc); break;
+            default: amx_tile<1, NT>(X, K, P, b0, N, m, R, acc); break;
+          }
+          finish(acc, R, B, bias, b0, Y, N, m);
+        }
+      }
+    }
+    amx_release();  // the thread's tile state back to the kernel (cheaper context switches)
+  });
+}
+
+// Asks Linux for the AMX tile state (ARCH_REQ_XCOMP_PERM for XTILEDATA; without it the first tile instruction
+// faults) and turns the AMX path on or off. "" when done, else why not. The CPU's flags are checked in Python.
+std::string amx_set(bool on) {
+  if (on) {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): ") +
+             std::strerror(errno);
+  }
+  g_amx = on;
+  return "";
+}
+
 // y [M, N] = x [M, K] @ the packed weight (+ bias, fp32) on raw pointers: what `linear` runs, and what the fp32
 // extension's fused decode layer calls through the capsule `LINEAR` (its small ops live there, this kernel here).
 // stream: prefetch the weight non-temporally (see tile); the bits are the same either way.
 void linear_raw(const at::BFloat16* X, int64_t M, int64_t K, const at::BFloat16* P, int64_t NB, const float* bias,
                 at::BFloat16* Y, int64_t N, bool stream) {
-  if (stream) run_groups<true>(X, M, K, P, NB, bias, Y, N);
-  else run_groups<false>(X, M, K, P, NB, bias, Y, N);
+  if (g_amx && K % kAmxK == 0) {
+    if (stream) amx_groups<true>(X, M, K, P, NB, bias, Y, N);
+    else amx_groups<false>(X, M, K, P, NB, bias, Y, N);
+  } else if (stream) {
+    run_groups<true>(X, M, K, P, NB, bias, Y, N);
+  } else {
+    run_groups<false>(X, M, K, P, NB, bias, Y, N);
+  }
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
@@ -241,5 +361,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("iters"));
   m.attr("GROUP") = kGroup;
   m.attr("ROWS") = kRows;
+  m.def("amx_set", &amx_set, "turn the AMX tile path on (asking Linux for the tile state) or off; '' or why not");
+  m.def("amx_on", []() { return g_amx; });
   m.attr("LINEAR") = py::capsule(reinterpret_cast<void*>(&linear_raw), "drafthead.bf16_linear");  // blocks side by side per k-pair: cpu_linear.concat regroups joined parts by it
 }

@@ -95,6 +95,11 @@ def _load(kind: str = "bf16") -> ModuleType | None:
                 ext.avx512_tiles(False)
                 ext.avx512_bf16(False)
             _state[kind] = ext
+            if kind == "bf16" and os.environ.get("DRAFTHEAD_AMX") == "1":
+                try:
+                    amx(True)
+                except RuntimeError as e:
+                    warnings.warn(f"drafthead: DRAFTHEAD_AMX=1 but {e}; the AVX512-BF16 tiles run", stacklevel=3)
             return ext
         except Exception as e:  # no compiler / ninja, or a failed build: fall back, but say so
             why = f"building the extension failed: {type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
@@ -182,6 +187,24 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return y.view(*x.shape[:-1], out_features)
 
 
+def amx(on: bool | None = None) -> bool:
+    """Whether bf16 projections whose K is a multiple of 32 run AMX tiles (`tdpbf16ps`) instead of the AVX512-BF16
+    tiles; `on` turns the path on or off first. Off by default: it is not yet measured or checked for bits on an
+    AMX machine (DRAFTHEAD_AMX=1 turns it on when the extension loads). Turning it on where the CPU has no AMX, or
+    where Linux refuses the tile state, raises a RuntimeError naming why, and the path stays off."""
+    ext = _ext("bf16")
+    if on is not None:
+        if on:
+            missing = {"amx_bf16", "amx_tile"} - hardware.cpu_flags()
+            if missing:
+                raise RuntimeError(f"AMX tiles: this CPU (class {hardware.cpu_class()}) lacks "
+                                   f"{', '.join(sorted(missing))} in /proc/cpuinfo")
+        why = ext.amx_set(bool(on))
+        if why:
+            raise RuntimeError(f"AMX tiles: {why}")
+    return bool(ext.amx_on())
+
+
 def peak_macs(kind: str, seconds: float = 0.3) -> float:
     """Multiply-adds a second the kernel's multiply instruction sustains from registers on torch's threads
     (`vdpbf16ps` for bf16; 16-lane FMAs for fp32 where its AVX-512 tiles are on, else 8-lane): the compute side of
@@ -203,6 +226,9 @@ def tile_path(kind: str, rows: int) -> str:
     """Which tile path the projections of a `rows`-row call take in the kernel of this kind (for reports)."""
     ext = _ext(kind)
     if kind == "bf16":
+        if amx():
+            return (f"bf16 AMX, {min(rows, 16)}-row tiles x 64 outputs over K chunks of 32 (weights with K % 32 == 0;"
+                    f" others as without AMX)")
         if rows <= ext.ROWS:
             return f"bf16 AVX512-BF16, one {rows}-row tile x 64 outputs over K"
         if rows <= 2 * ext.ROWS:
