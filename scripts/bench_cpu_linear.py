@@ -27,7 +27,8 @@ from drafthead import hardware  # noqa: E402
 from drafthead.kernels import cpu_linear  # noqa: E402
 from drafthead.eval.bench import read_bandwidth  # noqa: E402
 
-DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7, threads=None)
+DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7,
+                threads=None)
 
 
 def shapes(c) -> list[tuple[int, int]]:
