@@ -19,14 +19,13 @@ import time
 import pytest
 import torch
 
-from drafthead.assets import asset_path
 from drafthead.export import export
-from drafthead.export import llama_cpp as lc
 from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
 from drafthead.lora import LoraDrafter, LoraOptions, build
 from drafthead.registry import save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
-from drafthead.target import capture, load_target
+from drafthead.target import capture
+from tests.llama_cpp_data import continuations
 
 pytestmark = pytest.mark.slow
 
@@ -55,28 +54,12 @@ def world(tmp_path_factory, bins):
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     root = tmp_path_factory.mktemp("llama_cpp_lora")
-    target_gguf = asset_path("smollm2-135m-instruct")
-    target = load_target("smollm2-135m-instruct", dtype="float32")
-    tok = target.tokenizer
-    prompts = [lc.chat_prompt(tok, p) for p in PROMPTS]
-    alone = [lc.run_target(bins, target_gguf, p, N_PREDICT, THREADS) for p in prompts]
-    longer = [lc.run_target(bins, target_gguf, p, N_PREDICT + N_DRAFT + 2, THREADS) for p in prompts]
-    seqs, n_prompts = [], []
-    for p, c in zip(prompts, longer, strict=True):
-        n_prompts.append(len(tok(p, add_special_tokens=False).input_ids))
-        seqs.append(torch.tensor(tok(p + c.text, add_special_tokens=False).input_ids))
-    T = max(len(s) for s in seqs)
-    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
-    loss_mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, : len(s)], attn[i, : len(s)] = s, 1
-        loss_mask[i, n_prompts[i]: len(s)] = 1
+    # llama.cpp's default --poll: the target alone's tokens/s is printed beside the drafts'
+    data = continuations(bins, PROMPTS, N_PREDICT, N_DRAFT + 2, THREADS, mask_from=1, poll=None)
+    target, input_ids, attn, loss_mask = data.target, data.input_ids, data.attn, data.loss_mask
     cfg = build(target.config, LoraOptions(exit_layer=EXIT, rank=16, alpha=32), None, None)
     aux, _ = capture(target.model, input_ids, attn, [EXIT])  # [B, T, H] the input of layer EXIT
-    nxt = torch.roll(input_ids, -1, dims=1)  # llama.cpp's own next token at j: a sharp teacher
-    argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)
-    teacher = torch.zeros(*input_ids.shape, cfg.vocab_size).scatter_(-1, nxt[..., None], 1.0)
+    argmax, teacher = data.argmax, data.teacher  # llama.cpp's own next token at j: a sharp teacher
 
     def new_drafter() -> LoraDrafter:
         torch.manual_seed(1)
@@ -98,7 +81,7 @@ def world(tmp_path_factory, bins):
               f"acc {float(out['correct'][0] / out['count'][0]):.3f}")
     files = {name: export(save_draft(dr, root / name, target.info()), "gguf", root / f"{name}.gguf")
              for name, dr in drafters.items()}
-    return dict(target=target, target_gguf=target_gguf, prompts=prompts, alone=alone, longer=longer,
+    return dict(target=target, target_gguf=data.target_gguf, prompts=data.prompts, alone=data.alone, longer=data.longer,
                 drafters=drafters, files=files)
 
 
