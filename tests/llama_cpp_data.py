@@ -1,8 +1,10 @@
 """What the llama.cpp draft tests (DFlash, DSpark, the LoRA self-draft) share: the SmolLM2 target's own greedy
 continuations of a few chat prompts, from llama.cpp itself, as one batch to overfit drafts on, with a one-hot teacher
-of llama.cpp's next token (so an overfit draft proposes exactly what llama.cpp's target will verify)."""
+of llama.cpp's next token (so an overfit draft proposes exactly what llama.cpp's target will verify); and for the
+block drafters, training them on it, running them in llama.cpp and our runtime's acceptance by draft position."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,8 +12,11 @@ from typing import Any
 import torch
 
 from drafthead.assets import asset_path
+from drafthead.export import export
 from drafthead.export import llama_cpp as lc
-from drafthead.target import load_target
+from drafthead.registry import save_draft
+from drafthead.runtime import SpecConfig, SpeculativeGenerator
+from drafthead.target import capture, lm_head_weight, load_target
 
 
 @dataclass
@@ -53,3 +58,74 @@ def continuations(bins: Path, questions: list[str], n_predict: int, extra: int, 
     argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)
     teacher = torch.zeros(*input_ids.shape, target.config.vocab_size).scatter_(-1, nxt[..., None], 1.0)
     return Continuations(target, target_gguf, prompts, alone, longer, input_ids, attn, loss_mask, argmax, teacher)
+
+
+def overfit_block_drafts(model_cls: type, cfg: Any, data: Continuations, steps: dict[str, int], root: Path,
+                         untrained: bool = False) -> tuple[dict[str, Any], dict[str, Path]]:
+    """Block drafts (DFlash, DSpark) of `cfg`, one per name in `steps`, trained that many AdamW steps on `data` from
+    the same start (seed 1; the target's embedding, head and final norm), plus an untrained "random" one where asked.
+    Returns the drafts and their GGUF exports under `root`."""
+    t0 = time.perf_counter()
+    target = data.target
+    aux, _ = capture(target.model, data.input_ids, data.attn, [i + 1 for i in cfg.target_layer_ids])  # [B, T, 3H]
+
+    def new_drafter() -> Any:
+        torch.manual_seed(1)
+        d = model_cls(cfg)
+        with torch.no_grad():
+            d.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
+            d.target_lm_head.weight.copy_(lm_head_weight(target.model))
+            d.norm.weight.copy_(target.model.model.norm.weight)
+        return d
+
+    drafters = {"random": new_drafter().eval()} if untrained else {}
+    for name, n in steps.items():
+        d = new_drafter()
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)  # 3e-3 stalls (loss ~3.7)
+        for _ in range(n):
+            out = d(data.input_ids, aux, data.teacher, data.argmax, data.loss_mask)
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+        drafters[name] = d.eval()
+        print(f"[{time.perf_counter() - t0:.0f}s] {name}: {n} steps, loss {out['loss'].item():.3f}, block accept "
+              f"{1 + float(out['accept_len'] / out['blocks']):.2f}")
+    files = {name: export(save_draft(d, root / name, target.info()), "gguf", root / f"{name}.gguf")
+             for name, d in drafters.items()}
+    return drafters, files
+
+
+def run_block_drafts(bins: Path, data: Continuations, draft: Path, n_predict: int, n_draft: int, threads: int,
+                     spec_type: str, verbose: bool = False) -> tuple[float, list[float], list[str], str]:
+    """One draft in llama-speculative-simple on every prompt: (acceptance, acceptance by draft position averaged over
+    prompts, texts, the first run's log)."""
+    drafted = accepted = 0
+    by_pos, texts, logs = [], [], []
+    for prompt in data.prompts:
+        r = lc.run_speculative(bins, data.target_gguf, draft, prompt, n_predict, n_draft, threads, verbose=verbose,
+                               poll=0, spec_type=spec_type)
+        assert r.n_drafted > 0
+        texts.append(r.text.strip())
+        logs.append(r.log)
+        drafted, accepted = drafted + r.n_drafted, accepted + r.n_accept
+        if r.accept_by_pos is not None:
+            by_pos.append(r.accept_by_pos + [0.0] * (n_draft - len(r.accept_by_pos)))
+    mean = [sum(c) / len(c) for c in zip(*by_pos)] if by_pos else []
+    return accepted / drafted, mean, texts, logs[0]
+
+
+def assert_lossless(texts: list[str], data: Continuations, name: str) -> None:
+    """Greedy speculative decoding does not change the text (llama.cpp may emit a few tokens past n_predict)."""
+    for got, alone, longer in zip(texts, data.alone, data.longer, strict=True):
+        assert got.startswith(alone.text.strip()) and longer.text.strip().startswith(got), (name, got)
+
+
+def our_block_acceptance_by_position(data: Continuations, drafter: Any, n_predict: int, n_draft: int) -> list[float]:
+    """Our runtime's share of rounds accepting draft position i (block mode, `n_draft` drafts verified), averaged over
+    the same prompts llama.cpp ran."""
+    tok = data.target.tokenizer
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in data.prompts]
+    res = SpeculativeGenerator(data.target, drafter).generate(prompts, n_predict,
+                                                              SpecConfig(mode="block", num_draft_tokens=n_draft))
+    ours = [[sum(a > i for a in r.accept_lens) / len(r.accept_lens) for i in range(n_draft)] for r in res]
+    return [sum(c) / len(c) for c in zip(*ours)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafthead.assets import cache_dir, pip_download
-from drafthead.dflash import DflashDrafter, DflashOptions, build, sample_anchors
+from drafthead.dflash import BlockRunner, DflashDrafter, DflashOptions, build, sample_anchors
 from drafthead.export import export
 from drafthead.export.dflash import gguf_target_layer_ids, read_back_gguf, read_exported
 from drafthead.registry import save_draft
@@ -246,6 +246,64 @@ def test_verify_fewer_drafts_than_the_block_and_reject_more(qwen3):
         gen.generate(prompt, 4, SpecConfig(mode="block", num_draft_tokens=4))
     with pytest.raises(ValueError, match="spec mode 'chain': this dflash draft drafts block only"):
         gen.generate(prompt, 4, SpecConfig(mode="chain"))
+
+
+class OracleBlockRunner(BlockRunner):
+    """Block slots that are the target's own greedy continuation (`truth[i]`: prompt i, then its AR tokens), one
+    slot wrong every third round, so verify blocks of up to 16 tokens a row both accept and reject."""
+
+    truth: list[list[int]] = []
+    started = 0  # requests given a runner so far: batches are taken in prompt order
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        B = self.lens.shape[0]
+        self.ids, self.rounds = list(range(self.started, self.started + B)), 0  # request index per row
+        OracleBlockRunner.started += B
+
+    def select(self, rows: torch.Tensor) -> None:
+        super().select(rows)
+        self.ids = [self.ids[int(r)] for r in rows]
+
+    def block_logits(self, roots: torch.Tensor) -> torch.Tensor:
+        c = self.drafter.config
+        slots = c.block_size - 1
+        self.rounds += 1
+        logits = torch.zeros(len(roots), slots, c.vocab_size)  # [B, Bk-1, V]
+        for r, (i, L) in enumerate(zip(self.ids, self.lens.tolist())):
+            seq = self.truth[i]
+            assert seq[L] == int(roots[r]), f"request {i} left the AR tokens at position {L}"
+            nxt = (seq[L + 1: L + 1 + slots] + [0] * slots)[:slots]
+            if self.rounds % 3 == 0:
+                nxt[1] = (nxt[1] + 1) % c.vocab_size
+            logits[r, torch.arange(slots), torch.tensor(nxt)] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_verify_of_up_to_64_rows_is_lossless_through_the_decode_kernels(dtype, monkeypatch):
+    """Greedy block mode equals AR token for token with the target on the CPU decode kernels, where a round
+    verifies up to 16 tokens for each of 4 requests (64 rows a projection: every multi-row tile path), with an
+    oracle block so that long drafts are accepted as well as cut."""
+    from drafthead.kernels import cpu_linear
+    from test_runtime import random_prompts, tiny_target
+
+    if not cpu_linear.available("bf16" if dtype == torch.bfloat16 else "fp32"):
+        pytest.skip("no decode kernel of this kind on this CPU")
+    target = tiny_target("qwen3", dtype=dtype, seed=4, head_scale=4.0, hidden_size=64, intermediate_size=128)
+    drafter = make_drafter(target, block_size=16, ids=(0,)).to(dtype)
+    monkeypatch.setattr(DflashDrafter, "draft_state", lambda self, *args: OracleBlockRunner(self, *args))
+    gen = SpeculativeGenerator(target, drafter)
+    assert gen.model.decode_kernel and gen.model.kernel == ("bf16" if dtype == torch.bfloat16 else "fp32")
+    prompts = random_prompts(4, 128, seed=23)
+    want = [r.tokens for r in gen.generate(prompts, 40, SpecConfig(mode="ar"))]
+    OracleBlockRunner.truth = [p + w for p, w in zip(prompts, want)]
+    for k, batch in ((15, 4), (7, 4), (15, 1), (3, 2)):
+        OracleBlockRunner.started = 0
+        got = gen.generate(prompts, 40, SpecConfig(mode="block", num_draft_tokens=k, batch_size=batch))
+        assert [r.tokens for r in got] == want, (k, batch)
+        accepted = [a for r in got for a in r.accept_lens]
+        assert max(accepted) == k and min(accepted) < k, (k, batch)  # whole blocks taken and blocks cut
 
 
 def test_sampled_block_drafting_matches_the_target():

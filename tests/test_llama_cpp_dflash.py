@@ -10,19 +10,14 @@ llama.cpp reports for a half-trained draft is within 0.1 of our runtime's on the
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 from drafthead.dflash import DflashDrafter, DflashOptions, build
-from drafthead.export import export
-from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
-from drafthead.registry import save_draft
-from drafthead.runtime import SpecConfig, SpeculativeGenerator
+from drafthead.export.llama_cpp import default_threads, llama_cpp_bin
 
-from tests.llama_cpp_data import continuations
-from drafthead.target import capture, lm_head_weight
+from tests.llama_cpp_data import (assert_lossless, continuations, our_block_acceptance_by_position,
+                                  overfit_block_drafts, run_block_drafts)
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +32,6 @@ N_DRAFT = BLOCK - 1
 MASK = 16  # <empty_output>, as recipes/dflash_smollm2.yaml
 STEPS = {"trained": 400, "half": 12}
 THREADS = default_threads()
-POLL = 0
 
 
 @pytest.fixture(scope="module")
@@ -49,70 +43,30 @@ def bins():
 def world(tmp_path_factory, bins):
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    t0 = time.perf_counter()
-    root = tmp_path_factory.mktemp("llama_cpp_dflash")
     data = continuations(bins, PROMPTS, N_PREDICT, BLOCK + 2, THREADS)
-    target, input_ids, loss_mask = data.target, data.input_ids, data.loss_mask
     opts = DflashOptions(num_layers=1, block_size=BLOCK, mask_token_id=MASK, target_layer_ids=[1, 14, 27],
                          num_anchors=16)  # 16 blocks a sequence: dense 512 made the 400 steps ~5x slower
-    cfg = build(target.config, opts, None, None)
-    aux, _ = capture(target.model, input_ids, data.attn, [i + 1 for i in cfg.target_layer_ids])  # [B, T, 3H]
-    argmax, teacher = data.argmax, data.teacher
-
-    def new_drafter(seed: int) -> DflashDrafter:
-        torch.manual_seed(seed)
-        d = DflashDrafter(cfg)
-        with torch.no_grad():
-            d.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
-            d.target_lm_head.weight.copy_(lm_head_weight(target.model))
-            d.norm.weight.copy_(target.model.model.norm.weight)
-        return d
-
-    drafters = {"random": new_drafter(1).eval()}
-    for name, steps in STEPS.items():
-        d = new_drafter(1)
-        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)  # 3e-3 stalls (loss ~3.7)
-        for _ in range(steps):
-            out = d(input_ids, aux, teacher, argmax, loss_mask)
-            opt.zero_grad()
-            out["loss"].backward()
-            opt.step()
-        drafters[name] = d.eval()
-        print(f"[{time.perf_counter() - t0:.0f}s] {name}: {steps} steps, loss {out['loss'].item():.3f}, block accept "
-              f"{1 + float(out['accept_len'] / out['blocks']):.2f}")
-    files = {}
-    for name, d in drafters.items():
-        files[name] = export(save_draft(d, root / name, target.info()), "gguf", root / f"{name}.gguf")
-    return dict(target=target, target_gguf=data.target_gguf, prompts=data.prompts, alone=data.alone,
-                longer=data.longer, drafters=drafters, files=files)
+    cfg = build(data.target.config, opts, None, None)
+    drafters, files = overfit_block_drafts(DflashDrafter, cfg, data, STEPS, tmp_path_factory.mktemp("llama_cpp_dflash"),
+                                           untrained=True)
+    return dict(data=data, drafters=drafters, files=files)
 
 
 def run_all(world, bins, name: str, verbose: bool = False) -> tuple[float, list[float], list[str]]:
     """(acceptance, acceptance by draft position averaged over prompts, texts) of one draft in llama.cpp."""
-    drafted = accepted = 0
-    by_pos, texts = [], []
-    for i, prompt in enumerate(world["prompts"]):
-        r = run_speculative(bins, world["target_gguf"], world["files"][name], prompt, N_PREDICT, N_DRAFT, THREADS,
-                            verbose=verbose, poll=POLL, spec_type="draft-dflash")
-        if i == 0 and verbose:
-            assert "DFlash extract_layers = [2, 15, 28]" in r.log, r.log[-3000:]
-            assert f"block_size={BLOCK}, mask_token_id={MASK}" in r.log, r.log[-3000:]
-        assert r.n_drafted > 0
-        texts.append(r.text.strip())
-        drafted, accepted = drafted + r.n_drafted, accepted + r.n_accept
-        if r.accept_by_pos is not None:
-            by_pos.append(r.accept_by_pos + [0.0] * (N_DRAFT - len(r.accept_by_pos)))
-    mean = [sum(c) / len(c) for c in zip(*by_pos)] if by_pos else []
-    return accepted / drafted, mean, texts
+    rate, by_pos, texts, log = run_block_drafts(bins, world["data"], world["files"][name], N_PREDICT, N_DRAFT, THREADS,
+                                                "draft-dflash", verbose)
+    if verbose:
+        assert "DFlash extract_layers = [2, 15, 28]" in log, log[-3000:]
+        assert f"block_size={BLOCK}, mask_token_id={MASK}" in log, log[-3000:]
+    return rate, by_pos, texts
 
 
 def test_llama_cpp_runs_dflash_draft_losslessly(world, bins):
     rates = {}
     for name in ("trained", "random"):
         rates[name], _, texts = run_all(world, bins, name, verbose=name == "trained")
-        for got, alone, longer in zip(texts, world["alone"], world["longer"], strict=True):
-            # greedy speculative decoding does not change the text (llama.cpp may emit a few tokens more)
-            assert got.startswith(alone.text.strip()) and longer.text.strip().startswith(got), (name, got)
+        assert_lossless(texts, world["data"], name)
     print(f"llama.cpp draft-dflash acceptance: {rates}")
     assert rates["trained"] > 0.8, rates
     assert rates["random"] < 0.1, rates
@@ -123,15 +77,7 @@ def test_llama_cpp_acceptance_by_position_matches_our_runtime(world, bins):
     position i is within 0.1 of our runtime's (block mode, 3 drafts verified, the same prompts)."""
     rate, lc_pos, _ = run_all(world, bins, "half", verbose=True)
     assert len(lc_pos) == N_DRAFT, lc_pos
-    target, tok = world["target"], world["target"].tokenizer
-    gen = SpeculativeGenerator(target, world["drafters"]["half"])
-    prompts = [tok(p, add_special_tokens=False).input_ids for p in world["prompts"]]
-    res = gen.generate(prompts, N_PREDICT, SpecConfig(mode="block", num_draft_tokens=N_DRAFT))
-    ours = []
-    for r in res:
-        rounds = r.accept_lens
-        ours.append([sum(a > i for a in rounds) / len(rounds) for i in range(N_DRAFT)])
-    our_pos = [sum(c) / len(c) for c in zip(*ours)]
+    our_pos = our_block_acceptance_by_position(world["data"], world["drafters"]["half"], N_PREDICT, N_DRAFT)
     print(f"acceptance by position: llama.cpp {[round(x, 3) for x in lc_pos]} (all {rate:.3f}), "
           f"ours {[round(x, 3) for x in our_pos]}")
     assert 0.05 < our_pos[0] < 0.95, our_pos  # a draft that is neither always right nor always wrong (measured: 0.10)
