@@ -205,7 +205,7 @@ def verify_cost_curve(target_model: Any, prefix: list[int], sizes: list[int], re
 
     calls = [(forward(n), lambda: None) for n in sizes]
     if read_mib:
-        x = torch.ones(read_mib << 18, device=device)  # read_mib MiB of fp32: more than any last-level cache here
+        x = read_buffer(read_mib, device)  # more than any last-level cache here
         calls.append((lambda: x.sum(), forward(sizes[0])))  # undo: the untimed forward that settles the caches
     times = _turn_times(calls, repeats, device)
     curve = _relative([{"num_tokens": n, "ms": 1000 * statistics.median(t)} for n, t in zip(sizes, times)])
@@ -234,10 +234,28 @@ def hf_verify_cost_curve(model: Any, prefix: list[int], sizes: list[int], repeat
     return _relative([{"num_tokens": n, "ms": t} for n, t in zip(sizes, ms)])
 
 
+def read_buffer(mib: int, device: str) -> torch.Tensor:
+    """`mib` MiB of fp32 ones to sum for the read bandwidth. On CPU it lies on the pages the decode kernels' packed
+    weights get (2 MB where transparent huge pages are on, `cpu_linear.HugePages`), so the bound reads memory as the
+    weights are read: on the AVX512-BF16 EPYC a sum over 4 KB pages read 40 GB/s and one over 2 MB pages 59 GB/s
+    (20 alternating rounds, docs/experiment_log.md)."""
+    if device != "cpu":
+        return torch.ones(mib << 18, device=device)
+    from drafthead.kernels import cpu_linear
+    return cpu_linear.HugePages(chunk=0).empty((mib << 18,), torch.float32).fill_(1)
+
+
+def pages() -> str:
+    """The pages the CPU read buffer and packed weights lie on, in words."""
+    from drafthead.kernels import cpu_linear
+    why = cpu_linear.huge_pages()
+    return "2 MB pages" if why is None else f"4 KB pages ({why})"
+
+
 def read_bandwidth(device: str, mib: int = 512, repeats: int = 5) -> float:
     """Measured memory read rate in bytes/s: the best of `repeats` sums over a `mib` MiB fp32 tensor (larger
-    than any last-level cache here, so it streams from memory)."""
-    x = torch.ones(mib << 18, device=device)  # mib MiB of fp32
+    than any last-level cache here, so it streams from memory; `read_buffer`)."""
+    x = read_buffer(mib, device)
     best = float("inf")
     for _ in range(repeats + 1):
         _sync(device)
@@ -259,10 +277,13 @@ def bandwidth_bound(tm: Any, device: str, read: dict | None = None) -> dict:
         bw, how = read["median"], (f"median of {read['readings']} sums over {read['mib']} MiB taking turns with the "
                                    f"forwards")
         spread = [read["min"] / 1e9, read["max"] / 1e9]
+    if device == "cpu":
+        how += f" on {pages()}"
     # the weights as the kernel streams them: the fp32 kernel's storage (fp32, bf16, int8), else the model's dtype
     weights = tm.weights if tm.kernel == "fp32" else str(tm.dtype).removeprefix("torch.")
     return {"kernel": tm.kernel, "weights": weights, "weight_bytes": nbytes, "read_gb_per_s": bw / 1e9,
-            "read_gb_per_s_range": spread, "read": how, "bound_ms": 1000 * nbytes / bw}
+            "read_gb_per_s_range": spread, "read": how, "pages": pages() if device == "cpu" else None,
+            "bound_ms": 1000 * nbytes / bw}
 
 
 def compute_rate(tm: Any, device: str) -> dict | None:
@@ -410,6 +431,7 @@ def format_table(result: dict) -> str:
         line = (f"CPU class {result['settings']['machine'].get('cpu_class')}, decode kernel "
                 f"{bd['kernel'] or 'none (oneDNN)'}, weights {bd['weights']}: {bd['weight_bytes'] / 1e6:.0f} MB "
                 f"streamed per token, read bandwidth {bd['read_gb_per_s']:.1f} GB/s"
+                + (f" on {bd['pages']}" if bd.get("pages") else "")
                 + (" (readings {:.1f}-{:.1f})".format(*bd["read_gb_per_s_range"]) if bd.get("read_gb_per_s_range")
                    else "")
                 + f" -> bound {bd['bound_ms']:.1f} ms")

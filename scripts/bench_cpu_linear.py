@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from drafthead import hardware  # noqa: E402
 from drafthead.kernels import cpu_linear  # noqa: E402
-from drafthead.eval.bench import read_bandwidth  # noqa: E402
+from drafthead.eval.bench import pages as bench_pages, read_bandwidth  # noqa: E402
 
 DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7,
                 threads=None)
@@ -54,7 +54,9 @@ def main(argv: list[str]) -> int:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) * k ** -0.5 for _ in range(c.layers) for n, k in shapes(c)]
     bw = read_bandwidth("cpu") / 1e9  # GB/s
-    print(f"CPU class {hardware.cpu_class()}, {torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s, "
+    pages = cpu_linear.HugePages()  # packed weights on the pages the runtime gives them, and the bound reads
+    print(f"CPU class {hardware.cpu_class()}, {torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s on "
+          f"{bench_pages()}, "
           f"{len(weights)} projections, {sum(w.numel() for w in weights) / 1e6:.1f}M weights")
     methods: dict[str, tuple[list, int]] = {}  # name -> (per-projection callables by rows, bytes per pass)
     peak = {k: cpu_linear.peak_macs(k) / 1e9 for k in cpu_linear.KINDS if cpu_linear.available(k)}  # GMAC/s
@@ -64,7 +66,7 @@ def main(argv: list[str]) -> int:
             packed = []
             for w in weights:
                 stored, scale, _ = cpu_linear.compress(w, storage)
-                packed.append((cpu_linear.pack_fp32(stored), scale, w.shape[0]))
+                packed.append((pages.put(cpu_linear.pack_fp32(stored)), scale, w.shape[0]))
             nbytes = sum(p.numel() * p.element_size() + (0 if s is None else s.numel() * 4) for p, s, _ in packed)
             methods[f"fp32 kernel, {storage} weights"] = (
                 lambda x, packed=packed: [cpu_linear.linear_fp32(xk(x, w), p, n, s)
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
     else:
         print(f"fp32 kernel skipped: {cpu_linear.unavailable_reason('fp32')}")
     if cpu_linear.available("bf16"):  # bf16 activations too: what the runtime runs for a bf16 target
-        packed16 = [(cpu_linear.pack(w.bfloat16()), w.shape[0]) for w in weights]
+        packed16 = [(pages.put(cpu_linear.pack(w.bfloat16())), w.shape[0]) for w in weights]
         methods["AVX512-BF16 kernel, bf16"] = (
             lambda x: [cpu_linear.linear(xk(x, w).bfloat16(), p, n, stream=True)  # as the runtime runs a target's
                         for (p, n), w in zip(packed16, weights)],

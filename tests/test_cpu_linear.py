@@ -545,3 +545,27 @@ def test_project_joins_packed_draft_projections_with_their_own_bits(dtype: torch
     odd = cpu_linear.PackedLinear(nn.Linear(64, 20, bias=False).to(dtype))  # not whole blocks: no join
     assert cpu_linear.joined(packed[0], odd) is None
     assert all(torch.equal(g, p(x)) for g, p in zip(project(x, packed[0], odd), (packed[0], odd)))
+
+
+def test_huge_pages_copies_are_exact_aligned_on_huge_pages_and_outlive_their_arena() -> None:
+    """`HugePages.put`: the same values, 64-byte aligned, one after another in a chunk that starts on a 2 MB boundary,
+    backed by huge pages (what the decode step streams), and alive after the arena itself is gone."""
+    why = cpu_linear.huge_pages()
+    if why is not None:
+        pytest.skip(f"huge pages off here: {why}")
+    pages = cpu_linear.HugePages(chunk=4 << 20)
+    g = torch.Generator().manual_seed(0)
+    small, big = torch.randn(100, 37, generator=g).bfloat16(), torch.randn(1 << 20, 3, generator=g)  # 7.4 KB, 12 MB
+    a, b, c = pages.put(small), pages.put(small.t()), pages.put(big)
+    assert torch.equal(a, small) and torch.equal(b, small.t()) and torch.equal(c, big)
+    assert a.data_ptr() % (2 << 20) == 0 and b.data_ptr() == a.data_ptr() + 7424  # 7400 bytes, rounded up to 64
+    assert c.data_ptr() % (2 << 20) == 0 and c.data_ptr() != a.data_ptr() + 2 * 7424  # too big: a chunk of its own
+    assert cpu_linear.huge_page_bytes(c) >= 10 << 20, "Linux gave the 12 MB copy no huge pages"
+    del pages
+    assert torch.equal(a, small) and torch.equal(c, big)
+
+
+def test_huge_pages_off_keeps_tensors_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAFTHEAD_HUGE_PAGES", "0")
+    t = torch.randn(64, 64)
+    assert cpu_linear.huge_pages() == "DRAFTHEAD_HUGE_PAGES=0" and cpu_linear.HugePages().put(t) is t

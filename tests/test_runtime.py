@@ -624,6 +624,27 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
         assert [r.tokens for r in gen32.generate(prompts, 24, spec)] == want, spec
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_packed_weights_on_huge_pages_give_the_same_bits(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target's packed weights go on huge pages (`cpu_linear.HugePages`) where Linux offers them, and `paths()`
+    says where they lie; prompts, decode steps and verify blocks give the same bits as on ordinary pages."""
+    kind = cpu_linear.kind_for(dtype)
+    if not cpu_linear.available(kind) or cpu_linear.huge_pages() is not None:
+        pytest.skip(f"{kind} kernel: {cpu_linear.unavailable_reason(kind)}; huge pages: {cpu_linear.huge_pages()}")
+    target = tiny_target("qwen3", dtype=dtype, seed=4, hidden_size=64, intermediate_size=128)
+    prefix, new = torch.randint(3, 128, (2, 9)), torch.randint(3, 128, (2, 12))
+    got = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("DRAFTHEAD_HUGE_PAGES", on)
+        tm = TargetModel(target.model, aux_layer_ids=[0, 1, 1])
+        got[on] = forward_in_blocks(tm, prefix, new, [1, 3, 8], 32)
+        if on == "1":  # (ordinary pages may be huge too where Linux's setting is `always`)
+            assert cpu_linear.huge_page_bytes(tm.packed(target.model.lm_head).packed) > 0
+        assert tm.paths().endswith("packed weights on 2 MB pages" if on == "1"
+                                   else "packed weights on 4 KB pages: DRAFTHEAD_HUGE_PAGES=0")
+    assert all(torch.equal(a, b) for a, b in zip(got["1"], got["0"]))
+
+
 def test_prompts_take_onednn_on_amx_and_the_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts go through the decode kernels except on AMX CPUs (oneDNN's tiles): either way generated tokens take
     the kernels and speculative output equals AR output; the two prompt paths agree up to bf16 rounding."""

@@ -107,6 +107,7 @@ class TargetModel:
         self._fused: dict[int, object] = {}  # layer index -> its DecodeLayer, or None where a group does not join
         # packed weights by decode group (`decode_groups`), or by one projection where a group does not join
         self._packed: dict[tuple[nn.Module, ...], cpu_linear.PackedLinear] = {}  # made on first decode use
+        self._pages = cpu_linear.HugePages()  # where they go: 2 MB pages, in the order a forward reads them
         self.weights = weights or "fp32"
         if weights is not None and weights != "fp32":
             self._compress(weights)
@@ -154,6 +155,7 @@ class TargetModel:
                 self._packed[(proj,)] = part
         for part in parts:  # each weight is read once a forward: streamed past the caches
             part.stream = True
+            part.packed = self._pages.put(part.packed)
 
     def packed(self, *group: nn.Module) -> cpu_linear.PackedLinear | None:
         """The decode kernel's packed weight for `group` (one projection, or a group of `decode_groups`), made on
@@ -183,7 +185,10 @@ class TargetModel:
             return "prompts and generated tokens: torch (oneDNN on CPU)"
         prompts = (f"the {self.kernel} decode kernel" if self.prompt_kernel
                    else "oneDNN (AMX tiles; not measured against the kernel)")
-        return f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel (row-invariant)"
+        why = cpu_linear.huge_pages()
+        pages = "2 MB pages" if why is None else f"4 KB pages: {why}"
+        return (f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel (row-invariant), "
+                f"packed weights on {pages}")
 
     def multiply_adds(self) -> int:
         """Multiply-adds one token takes in the projections and the head (MoE: the router and top-k experts): the
