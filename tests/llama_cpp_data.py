@@ -5,6 +5,7 @@ block drafters, training them on it, running them in llama.cpp and our runtime's
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,33 @@ def continuations(bins: Path, questions: list[str], n_predict: int, extra: int, 
     return Continuations(target, target_gguf, prompts, alone, longer, input_ids, attn, loss_mask, argmax, teacher)
 
 
+def overfit_drafts(new_drafter: Callable[[], Any], data: Continuations, aux: torch.Tensor, steps: dict[str, int],
+                   root: Path, untrained: str | None, summary: Callable[[dict], str]) -> tuple[dict[str, Any],
+                                                                                             dict[str, Path]]:
+    """Drafts from `new_drafter()` (each call the same seeded start), one per name in `steps`, trained that many AdamW
+    steps on `data` with target features `aux`, plus one left untrained under the name `untrained` (None: none);
+    `summary(out)` says what to print of a draft's last step. Returns the drafts and their GGUF exports under `root`."""
+    t0 = time.perf_counter()
+    drafters = {untrained: new_drafter().eval()} if untrained else {}
+    for name, n in steps.items():
+        d = new_drafter()
+        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)  # 3e-3 stalls (loss ~3.7)
+        for _ in range(n):
+            out = d(data.input_ids, aux, data.teacher, data.argmax, data.loss_mask)
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+        drafters[name] = d.eval()
+        print(f"[{time.perf_counter() - t0:.0f}s] {name}: {n} steps, loss {out['loss'].item():.3f}, {summary(out)}")
+    files = {name: export(save_draft(d, root / name, data.target.info()), "gguf", root / f"{name}.gguf")
+             for name, d in drafters.items()}
+    return drafters, files
+
+
 def overfit_block_drafts(model_cls: type, cfg: Any, data: Continuations, steps: dict[str, int], root: Path,
                          untrained: bool = False) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Block drafts (DFlash, DSpark) of `cfg`, one per name in `steps`, trained that many AdamW steps on `data` from
-    the same start (seed 1; the target's embedding, head and final norm), plus an untrained "random" one where asked.
-    Returns the drafts and their GGUF exports under `root`."""
-    t0 = time.perf_counter()
+    """Block drafts (DFlash, DSpark) of `cfg` through `overfit_drafts`, each starting from seed 1 with the target's
+    embedding, head and final norm, plus an untrained "random" one where asked."""
     target = data.target
     aux, _ = capture(target.model, data.input_ids, data.attn, [i + 1 for i in cfg.target_layer_ids])  # [B, T, 3H]
 
@@ -78,21 +100,8 @@ def overfit_block_drafts(model_cls: type, cfg: Any, data: Continuations, steps: 
             d.norm.weight.copy_(target.model.model.norm.weight)
         return d
 
-    drafters = {"random": new_drafter().eval()} if untrained else {}
-    for name, n in steps.items():
-        d = new_drafter()
-        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)  # 3e-3 stalls (loss ~3.7)
-        for _ in range(n):
-            out = d(data.input_ids, aux, data.teacher, data.argmax, data.loss_mask)
-            opt.zero_grad()
-            out["loss"].backward()
-            opt.step()
-        drafters[name] = d.eval()
-        print(f"[{time.perf_counter() - t0:.0f}s] {name}: {n} steps, loss {out['loss'].item():.3f}, block accept "
-              f"{1 + float(out['accept_len'] / out['blocks']):.2f}")
-    files = {name: export(save_draft(d, root / name, target.info()), "gguf", root / f"{name}.gguf")
-             for name, d in drafters.items()}
-    return drafters, files
+    return overfit_drafts(new_drafter, data, aux, steps, root, "random" if untrained else None,
+                          lambda out: f"block accept {1 + float(out['accept_len'] / out['blocks']):.2f}")
 
 
 def run_block_drafts(bins: Path, data: Continuations, draft: Path, n_predict: int, n_draft: int, threads: int,

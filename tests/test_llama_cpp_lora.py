@@ -14,18 +14,14 @@ differently after a few words, so the two verify different texts (measured 2026-
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-from drafthead.export import export
 from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
 from drafthead.lora import LoraDrafter, LoraOptions, build
-from drafthead.registry import save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import capture
-from tests.llama_cpp_data import continuations
+from tests.llama_cpp_data import continuations, overfit_drafts
 
 pytestmark = pytest.mark.slow
 
@@ -52,14 +48,13 @@ def bins():
 def world(tmp_path_factory, bins):
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    t0 = time.perf_counter()
     root = tmp_path_factory.mktemp("llama_cpp_lora")
     # llama.cpp's default --poll: the target alone's tokens/s is printed beside the drafts'
     data = continuations(bins, PROMPTS, N_PREDICT, N_DRAFT + 2, THREADS, mask_from=1, poll=None)
-    target, input_ids, attn, loss_mask = data.target, data.input_ids, data.attn, data.loss_mask
+    target = data.target
     cfg = build(target.config, LoraOptions(exit_layer=EXIT, rank=16, alpha=32), None, None)
-    aux, _ = capture(target.model, input_ids, attn, [EXIT])  # [B, T, H] the input of layer EXIT
-    argmax, teacher = data.argmax, data.teacher  # llama.cpp's own next token at j: a sharp teacher
+    aux, _ = capture(target.model, data.input_ids, data.attn, [EXIT])  # [B, T, H] the input of layer EXIT
+    # the teacher is llama.cpp's own next token at j (data.teacher): a sharp one
 
     def new_drafter() -> LoraDrafter:
         torch.manual_seed(1)
@@ -67,20 +62,8 @@ def world(tmp_path_factory, bins):
         d.attach_target(target.model)
         return d
 
-    drafters = {"untrained": new_drafter().eval()}
-    for name, steps in STEPS.items():
-        d = new_drafter()
-        opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)
-        for _ in range(steps):
-            out = d(input_ids, aux, teacher, argmax, loss_mask)
-            opt.zero_grad()
-            out["loss"].backward()
-            opt.step()
-        drafters[name] = d.eval()
-        print(f"[{time.perf_counter() - t0:.0f}s] {name}: {steps} steps, loss {out['loss'].item():.3f}, "
-              f"acc {float(out['correct'][0] / out['count'][0]):.3f}")
-    files = {name: export(save_draft(dr, root / name, target.info()), "gguf", root / f"{name}.gguf")
-             for name, dr in drafters.items()}
+    drafters, files = overfit_drafts(new_drafter, data, aux, STEPS, root, "untrained",
+                                     lambda out: f"acc {float(out['correct'][0] / out['count'][0]):.3f}")
     return dict(target=target, target_gguf=data.target_gguf, prompts=data.prompts, alone=data.alone, longer=data.longer,
                 drafters=drafters, files=files)
 
