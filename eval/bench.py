@@ -245,13 +245,6 @@ def read_buffer(mib: int, device: str) -> torch.Tensor:
     return cpu_linear.HugePages(chunk=0).empty((mib << 18,), torch.float32).fill_(1)
 
 
-def pages() -> str:
-    """The pages the CPU read buffer and packed weights lie on, in words."""
-    from drafthead.kernels import cpu_linear
-    why = cpu_linear.huge_pages()
-    return "2 MB pages" if why is None else f"4 KB pages ({why})"
-
-
 def read_bandwidth(device: str, mib: int = 512, repeats: int = 5) -> float:
     """Measured memory read rate in bytes/s: the best of `repeats` sums over a `mib` MiB fp32 tensor (larger
     than any last-level cache here, so it streams from memory; `read_buffer`)."""
@@ -277,12 +270,15 @@ def bandwidth_bound(tm: Any, device: str, read: dict | None = None) -> dict:
         bw, how = read["median"], (f"median of {read['readings']} sums over {read['mib']} MiB taking turns with the "
                                    f"forwards")
         spread = [read["min"] / 1e9, read["max"] / 1e9]
+    pages = None
     if device == "cpu":
-        how += f" on {pages()}"
+        from drafthead.kernels import cpu_linear
+        pages = cpu_linear.pages()
+        how += f" on {pages}"
     # the weights as the kernel streams them: the fp32 kernel's storage (fp32, bf16, int8), else the model's dtype
     weights = tm.weights if tm.kernel == "fp32" else str(tm.dtype).removeprefix("torch.")
     return {"kernel": tm.kernel, "weights": weights, "weight_bytes": nbytes, "read_gb_per_s": bw / 1e9,
-            "read_gb_per_s_range": spread, "read": how, "pages": pages() if device == "cpu" else None,
+            "read_gb_per_s_range": spread, "read": how, "pages": pages,
             "bound_ms": 1000 * nbytes / bw}
 
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from drafthead import hardware  # noqa: E402
 from drafthead.kernels import cpu_linear  # noqa: E402
-from drafthead.eval.bench import pages as bench_pages, read_bandwidth  # noqa: E402
+from drafthead.eval.bench import read_bandwidth  # noqa: E402
 
 DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7,
                 threads=None)
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     bw = read_bandwidth("cpu") / 1e9  # GB/s
     pages = cpu_linear.HugePages()  # packed weights on the pages the runtime gives them, and the bound reads
     print(f"CPU class {hardware.cpu_class()}, {torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s on "
-          f"{bench_pages()}, "
+          f"{cpu_linear.pages()}, "
           f"{len(weights)} projections, {sum(w.numel() for w in weights) / 1e6:.1f}M weights")
     methods: dict[str, tuple[list, int]] = {}  # name -> (per-projection callables by rows, bytes per pass)
     peak = {k: cpu_linear.peak_macs(k) / 1e9 for k in cpu_linear.KINDS if cpu_linear.available(k)}  # GMAC/s

@@ -402,12 +402,13 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
     assert bound["read_gb_per_s"] > 0 and bound["bound_ms"] > 0
     lo, hi = bound["read_gb_per_s_range"]  # one reading a round of the verify forwards, the median between
     assert lo <= bound["read_gb_per_s"] <= hi and "taking turns with the forwards" in bound["read"]
-    from drafthead.eval.bench import bandwidth_bound, pages
+    from drafthead.eval.bench import bandwidth_bound
     from drafthead.runtime import TargetModel
 
-    assert bound["pages"] == pages() and bound["read"].endswith(f" on {pages()}")
+    pages = cpu_linear.pages()
+    assert bound["pages"] == pages and bound["read"].endswith(f" on {pages}")
     alone = bandwidth_bound(TargetModel(target.model), "cpu")  # no readings given: it reads now (profile_step.py)
-    assert alone["read_gb_per_s_range"] is None and alone["read"] == f"best of 5 sums over 512 MiB on {pages()}"
+    assert alone["read_gb_per_s_range"] is None and alone["read"] == f"best of 5 sums over 512 MiB on {pages}"
     compute = on_disk["compute_rate"]  # the roofline's compute side: the kernel's rate, the token's multiply-adds
     if bound["kernel"] is None:
         assert compute is None and "compute_ms" not in on_disk["verify_cost"][0]

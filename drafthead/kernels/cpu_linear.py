@@ -25,6 +25,8 @@ oneDNN.
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import mmap
 import os
 import re
@@ -364,20 +366,34 @@ def decode_layer(index: int, heads: int, kv_heads: int, head_dim: int, scaling: 
 HUGE_PAGE = 2 << 20  # bytes of an x86 transparent huge page
 
 
+@functools.cache
+def _thp_setting() -> str | None:
+    """Linux's transparent-huge-page setting, e.g. "always [madvise] never" (read once; None where absent)."""
+    try:
+        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        return None
+
+
 def huge_pages() -> str | None:
     """None where packed weights go on transparent huge pages (`HugePages`), else why not, in words."""
     if os.environ.get("DRAFTHEAD_HUGE_PAGES", "1") == "0":
         return "DRAFTHEAD_HUGE_PAGES=0"
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return "this OS has no madvise(MADV_HUGEPAGE)"
-    try:
-        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
+    setting = _thp_setting()
+    if setting is None:
         return "no /sys/kernel/mm/transparent_hugepage/enabled"
     mode = re.search(r"\[(\w+)\]", setting)
     if mode is None or mode.group(1) == "never":
-        return f"transparent huge pages are off ({setting.strip()})"
+        return f"transparent huge pages are off ({setting})"
     return None
+
+
+def pages() -> str:
+    """The pages packed weights (and `drafthead bench`'s read buffer) lie on, in words, for logs and reports."""
+    why = huge_pages()
+    return "2 MB pages" if why is None else f"4 KB pages: {why}"
 
 
 def huge_page_bytes(t: torch.Tensor) -> int:
@@ -423,9 +439,7 @@ class HugePages:
 
     def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor on huge pages (on ordinary pages where they are off)."""
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         if huge_pages() is not None or numel == 0:
             return torch.empty(shape, dtype=dtype)
         nbytes = numel * dtype.itemsize

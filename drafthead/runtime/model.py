@@ -185,10 +185,8 @@ class TargetModel:
             return "prompts and generated tokens: torch (oneDNN on CPU)"
         prompts = (f"the {self.kernel} decode kernel" if self.prompt_kernel
                    else "oneDNN (AMX tiles; not measured against the kernel)")
-        why = cpu_linear.huge_pages()
-        pages = "2 MB pages" if why is None else f"4 KB pages: {why}"
         return (f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel (row-invariant), "
-                f"packed weights on {pages}")
+                f"packed weights on {cpu_linear.pages()}")
 
     def multiply_adds(self) -> int:
         """Multiply-adds one token takes in the projections and the head (MoE: the router and top-k experts): the
