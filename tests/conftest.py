@@ -98,36 +98,20 @@ def tiny_sharegpt(tmp_path_factory) -> Path:
     return make_sharegpt(tmp_path_factory.mktemp("data") / "tiny_sharegpt.json")
 
 
-# speculators 0.9.0's own config and model classes, for the conformance tests of our speculators exports. Every
-# speculators release pins transformers below ours, so it is never installed: its wheel and the modules its import
-# chain needs that we lack are fetched with `pip download --no-deps` into the asset cache, unpacked, and put at the
-# END of sys.path (what is installed wins).
-SPECULATORS_WHEELS = (("speculators", "0.9.0"), ("openai", "3.63.0"), ("jiter", "0.19.0"), ("loguru", "0.7.3"),
-                      ("pydantic-settings", "2.16.3"), ("hs_connectors", "0.9.0"))
-
-
 @pytest.fixture(scope="session")
 def speculators_models():
-    """The `speculators.models` package (0.9.0), or a skip naming why it could not be had."""
+    """The `speculators.models` package (0.9.0) from its peer site (tests/peers.py), or a skip naming why it could
+    not be had. The site goes at the END of sys.path: what is installed wins."""
     import importlib
-    import sys
-    import zipfile
 
-    from drafthead.assets import cache_dir, pip_download
+    from tests.peers import SPECULATORS, add_to_path
 
     try:
         return importlib.import_module("speculators.models")
     except ImportError:
         pass
-    root = cache_dir() / "assets" / "speculators-0.9.0-site"
     try:
-        if not (root / ".complete").is_file():
-            for name, version in SPECULATORS_WHEELS:
-                with zipfile.ZipFile(pip_download(name, version, cache_dir() / "pypi")) as z:
-                    z.extractall(root)
-            (root / ".complete").write_text("")
+        add_to_path(SPECULATORS)
     except RuntimeError as e:  # no package index here
         pytest.skip(f"speculators 0.9.0 could not be fetched: {e}")
-    if str(root) not in sys.path:
-        sys.path.append(str(root))
     return importlib.import_module("speculators.models")

@@ -4,14 +4,11 @@ and sampled block drafting staying lossless."""
 from __future__ import annotations
 
 import json
-import sys
-import zipfile
 from dataclasses import replace
 
 import pytest
 import torch
 
-from drafthead.assets import cache_dir, pip_download
 from drafthead.dflash import BlockRunner, DflashDrafter, DflashOptions, build, sample_anchors
 from drafthead.export import export
 from drafthead.export.dflash import gguf_target_layer_ids, read_back_gguf, read_exported
@@ -19,20 +16,12 @@ from drafthead.registry import save_draft
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import capture, lm_head_weight, load_target
 
-REFERENCE = ("dflash", "0.1.0")  # z-lab's reference model code; only dflash/model.py is imported
-
-
 def reference_module():
-    """`dflash.model` from the PyPI wheel, unpacked into the asset cache (never pip-installed: its CLI
-    dependencies are not ours)."""
-    name, version = REFERENCE
-    root = cache_dir() / "assets" / f"{name}-{version}"
-    if not (root / "dflash" / "model.py").is_file():
-        wheel = pip_download(name, version, cache_dir() / "pypi")
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(root)
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    """`dflash.model`, z-lab's reference model code (PyPI `dflash==0.1.0`), from its peer site (tests/peers.py):
+    never pip-installed, its CLI dependencies are not ours."""
+    from tests.peers import DFLASH, add_to_path
+
+    add_to_path(DFLASH)
     import dflash.model
 
     return dflash.model

@@ -36,6 +36,19 @@ def _tmp_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
 
 
+@pytest.fixture(autouse=True)
+def _signal_dispositions():
+    """Python's own dispositions for the signals these tests send, restored afterwards: a suite started as a
+    background job (`cmd &`, `nohup`, many CI runners) inherits SIGINT ignored, and a test that asserts what the
+    trainer gives back must not depend on what its parent chose."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
 @pytest.fixture(scope="module")
 def full_run(tiny_llama_dir, tiny_sharegpt, tmp_path_factory) -> Path:
     """An uninterrupted 6-step run: what every interrupted-and-resumed run must end equal to."""

@@ -45,8 +45,13 @@ def test_torch_range_admits_the_engines_torch_and_the_cpu_default() -> None:
 def test_readme_and_ci_install_with_the_cpu_constraints() -> None:
     readme = (ROOT / "README.md").read_text().splitlines()
     assert readme[3] == "pip install -c constraints/cpu.txt -e . && python train.py"
-    ci = (ROOT / ".ci" / "run").read_text().splitlines()[-1]
+    script = (ROOT / ".ci" / "run").read_text().splitlines()
+    ci = script[-1]
     assert readme[4] == ci == "pip install -q -c constraints/cpu.txt -e '.[dev]' && python -m pytest -q -ra"
+    # ... inside a virtual environment of its own, so the machine's own packages cannot hide a missing install
+    made = next(i for i, line in enumerate(script) if '-m venv "$tmp/venv"' in line)
+    entered = next(i for i, line in enumerate(script) if line.strip() == 'source "$tmp/venv/bin/activate"')
+    assert made < entered < len(script) - 1
 
 
 def test_every_module_imports_without_the_optional_parts() -> None:
