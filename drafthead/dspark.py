@@ -370,4 +370,6 @@ FAMILY = Family(
     reduced_vocab=False, describe=describe,
     exporters={"speculators": "drafthead.export.dspark:to_speculators", "gguf": "drafthead.export.dspark:to_gguf"},
     readers={"speculators": "drafthead.export.dspark:read_back", "gguf": "drafthead.export.dspark:read_back_gguf"},
+    vllm={"speculators": "dspark"},
+    vllm_refused={"speculators": "Model Runner V1 does not support: dspark speculative decoding"},  # GPU runner only
 )

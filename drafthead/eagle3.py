@@ -377,4 +377,5 @@ FAMILY = Family(
     readers={"sglang": "drafthead.export.eagle3:read_back", "speculators": "drafthead.export.eagle3:read_back",
              "gguf": "drafthead.export.gguf:read_back"},
     renamed_keys={"ttt_steps": "num_draft_tokens"},
+    vllm={"sglang": "eagle3", "speculators": "eagle3"},
 )

@@ -42,6 +42,11 @@ class Family:
     # export formats with no reader, each with why and what proves it instead (a format that merges the
     # draft into a standalone model cannot be read back into the draft's own tensors)
     no_reader: dict[str, str] = field(default_factory=dict)
+    # export format -> vLLM's speculative `method` for a draft exported in it: the layouts vLLM serves this family
+    # from (drafthead eval engine=vllm exports the first; tests/test_vllm.py runs every one in vLLM's CPU build)
+    vllm: dict[str, str] = field(default_factory=dict)
+    # vLLM layouts of this family its CPU build refuses, each with vLLM's own words (what a user would meet)
+    vllm_refused: dict[str, str] = field(default_factory=dict)
     # "draft" keys renamed since a draft directory was written: old name -> new name (read on load)
     renamed_keys: dict[str, str] = field(default_factory=dict)
     # (options, the drafter's built config) -> a one-line description for the training log

@@ -56,6 +56,10 @@ class EvalConfig:
     allow_target_mismatch: bool = False  # run a draft on a target whose fingerprint is not the one it was
     # trained on (the same model in another format, say); the report states the mismatch
     progress: bool = True
+    # ours | vllm | ours,vllm: our runtime, vLLM's CPU build (the draft exported on the fly, beside vLLM alone and
+    # vLLM's n-gram drafter), or both on the same conversations
+    engine: str = "ours"
+    vllm_python: str | None = None  # vLLM's interpreter (default: the one scripts/make_vllm_env.sh made)
 
 
 def parse_kv(cls: type, argv: list[str]) -> Any:
@@ -72,13 +76,27 @@ def parse_kv(cls: type, argv: list[str]) -> Any:
         raise ValueError(f"unknown key(s) {unknown}; valid: {sorted(known)}")
     # 'none' means absent for the optional string keys (draft=none, target=none)
     argv = [f"{k}=null" if v in NONE_WORDS and k in ("draft", "target", "gguf_file", "heldout", "mode",
-                                                     "max_prompts", "threads", "weights") else f"{k}={v}"
+                                                     "max_prompts", "threads", "weights", "vllm_python")
+            else f"{k}={v}"
             for k, v in pairs.items()]
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.from_dotlist(argv))
     except OmegaConfBaseException as e:
         raise ValueError(f"bad value: {e}".splitlines()[0]) from None
     return OmegaConf.to_object(merged)
+
+
+ENGINES = ("ours", "vllm")
+
+
+def engines(cfg: EvalConfig) -> list[str]:
+    """The engines `engine=` names, in order; an unknown one is an error naming the known ones."""
+    names = [e.strip() for e in str(cfg.engine).split(",") if e.strip()]
+    bad = [e for e in names if e not in ENGINES]
+    if bad or not names:
+        raise ValueError(f"engine={cfg.engine}: unknown engine {', '.join(map(repr, bad)) or '(none)'}; each must be "
+                         f"one of {', '.join(ENGINES)} (comma-separated)")
+    return names
 
 
 def resolve_mode(cfg: EvalConfig, has_draft: bool | None = None) -> str:
@@ -115,6 +133,7 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
     if not cfg.draft and not cfg.target and not models_given:
         raise ValueError("draft=none needs target=NAME_OR_PATH (there is no draft config to read it from)")
     resolve_mode(cfg, has_draft)
+    engines(cfg)
 
 
 def resolve_device(device: str) -> str:
@@ -164,6 +183,15 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
     has_draft = drafter is not None if target is not None else bool(cfg.draft)
     validate(cfg, models_given=target is not None, has_draft=has_draft)
     mode = resolve_mode(cfg, has_draft)
+    use = engines(cfg)
+    vllm_python = None
+    if "vllm" in use:  # a missing vLLM or a family it cannot serve is named before anything slow loads
+        from drafthead.eval import vllm as vllm_engine
+        from drafthead.registry import family, read_draft_config
+
+        vllm_python = vllm_engine.find_python(cfg.vllm_python)
+        if cfg.draft:
+            vllm_engine.check_family(family(read_draft_config(cfg.draft)["family"]))
     samples = load_eval_dataset(cfg.dataset, cfg.max_prompts, cfg.draft, cfg.heldout)  # before the slow loads
     device = resolve_device(cfg.device)
     if cfg.threads:
@@ -184,14 +212,16 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
     print(f"runtime: {generator.model.paths()}")
 
     specs = {"speculative": spec, "autoregressive": ar}
-    for sc in specs.values():
-        warmup(generator, tok, samples[0], sc)
-    torch.manual_seed(cfg.seed)
-    t0 = time.perf_counter()
-    runs = generate_runs(generator, tok, samples, cfg.max_new_tokens, specs,
-                         desc=f"{cfg.dataset} {spec.mode} + ar", progress=cfg.progress)
-    print(f"{spec.mode} and ar, taking turns: {len(runs['speculative'])} turns each in "
-          f"{time.perf_counter() - t0:.1f} s")
+    runs: dict[str, list] = {"speculative": [], "autoregressive": []}
+    if "ours" in use:
+        for sc in specs.values():
+            warmup(generator, tok, samples[0], sc)
+        torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
+        runs = generate_runs(generator, tok, samples, cfg.max_new_tokens, specs,
+                             desc=f"{cfg.dataset} {spec.mode} + ar", progress=cfg.progress)
+        print(f"{spec.mode} and ar, taking turns: {len(runs['speculative'])} turns each in "
+              f"{time.perf_counter() - t0:.1f} s")
 
     settings = {"dataset": cfg.dataset, "max_prompts": cfg.max_prompts, "max_new_tokens": cfg.max_new_tokens,
                 "draft": str(Path(cfg.draft).resolve()) if cfg.draft else None,
@@ -202,7 +232,19 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "runtime_paths": generator.model.paths(),
                 "machine": machine_info(device)}
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
-                          num_prompts=len(samples))
+                          num_prompts=len(samples)) if "ours" in use else \
+        {"settings": {"spec": dataclasses.asdict(spec), **settings}, "num_prompts": len(samples)}
+    if "vllm" in use:
+        print(f"vLLM ({vllm_python}): target alone, "
+              + (f"the draft at {spec.num_draft_tokens} tokens a round, " if drafter is not None else "")
+              + "n-gram, one process each ...")
+        report["vllm"] = vllm_engine.evaluate(
+            vllm_python, target, [list(s.turns) for s in samples], cfg.draft if drafter is not None else None,
+            family(drafter.family) if drafter is not None else None, Path(cfg.out), spec.num_draft_tokens,
+            cfg.max_new_tokens, settings["dtype"], cfg.temperature, cfg.top_p, cfg.seed, cfg.ngram_n,
+            cfg.batch_size)
+        if report.get("mean_accepted_per_round") is not None:  # our tau as vLLM counts it, for the side by side
+            report["vllm"]["ours_accept_length"] = 1 + report["mean_accepted_per_round"]
     paths = write_report(report, cfg.out, runs["speculative"])
     print_summary(report)
     print(f"report: {paths['report.json']} (+ report.md, plots, generations.jsonl)")
@@ -211,6 +253,11 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
 
 def print_summary(r: dict) -> None:
     f = lambda x, nd=2: "n/a" if x is None else f"{x:.{nd}f}"  # noqa: E731
+    for name, v in r.get("vllm", {}).get("runs", {}).items():
+        print(f"vLLM {name:<15} tau {f(v['acceptance_length'])} | {f(v['tokens_per_s'], 1)} tok/s | speedup "
+              f"{f(v.get('speedup'))}x | lossless {v.get('lossless', 'n/a')}")
+    if "acceptance_length" not in r:
+        return
     print(f"tau {f(r['acceptance_length'])} | {f(r['tokens_per_s'], 1)} tok/s vs AR "
           f"{f(r['baseline_tokens_per_s'], 1)} tok/s | speedup {f(r['speedup'])}x | lossless {r['lossless']}")
     for c, v in r["by_category"].items():

@@ -122,12 +122,24 @@ def render_markdown(r: dict) -> str:
     spec = st["spec"]
     lines = [f"# drafthead eval: {st.get('dataset')}", "",
              f"draft `{st.get('draft')}` on target `{st.get('target')}`, mode `{spec.get('mode')}`, "
-             f"{r['num_prompts']} prompts ({r['num_generations']} turns), max_new_tokens "
+             f"{r['num_prompts']} prompts, max_new_tokens "
              f"{st.get('max_new_tokens')}, temperature {spec.get('temperature')}, device "
              f"{st.get('machine', {}).get('device')} (CPU class {st.get('machine', {}).get('cpu_class')}), "
              f"{st.get('machine', {}).get('torch_threads')} torch threads, dtype {st.get('dtype')}.",
-             "", f"Target check: {st.get('target_check') or 'n/a'}.", "", f"**{r['verdict']}**", "",
-             "| metric | value |", "|---|---|"]
+             "", f"Target check: {st.get('target_check') or 'n/a'}."]
+    if "acceptance_length" in r:
+        lines += ours_markdown(r)
+    if "vllm" in r:
+        lines += vllm_markdown(r["vllm"], r.get("acceptance_rate_by_position"))
+    if "definitions" in r:
+        lines += ["", "## Definitions", ""] + [f"- `{k}`: {v}" for k, v in r["definitions"].items()]
+    if r.get("lossless") is False or ("lossless" in r and r["lossless"] is None):
+        lines += ["", f"Lossless check: {r['lossless_note']}."]
+    return "\n".join(lines) + "\n"
+
+
+def ours_markdown(r: dict) -> list[str]:
+    lines = ["", f"**{r['verdict']}** ({r['num_generations']} turns)", "", "| metric | value |", "|---|---|"]
     for k in ("acceptance_length", "mean_accepted_per_round", "tokens_per_s", "baseline_tokens_per_s", "speedup",
               "pays_off", "lossless", "generated_tokens", "target_forwards"):
         lines.append(f"| {k} | {_fmt(r[k])} |")
@@ -140,10 +152,30 @@ def render_markdown(r: dict) -> str:
               "| position | rate | given the earlier positions accepted |", "|---|---|---|"]
     lines += [f"| {i} | {_fmt(x)} | {_fmt(c)} |" for i, (x, c) in
               enumerate(zip(r["acceptance_rate_by_position"], r["conditional_acceptance_by_position"], strict=True))]
-    lines += ["", "## Definitions", ""] + [f"- `{k}`: {v}" for k, v in r["definitions"].items()]
-    if r["lossless"] is None or not r["lossless"]:
-        lines += ["", f"Lossless check: {r['lossless_note']}."]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def vllm_markdown(v: dict, our_by_pos: list | None) -> list[str]:
+    """vLLM's rows: the target alone, our draft and vLLM's own n-gram drafter, on the same conversations."""
+    lines = ["", f"## In vLLM {v['vllm_version']} (CPU build, torch {v['torch']}, dtype {v['dtype']}, "
+             f"{v['num_speculative_tokens']} speculative tokens, threads bound {v['omp_threads_bind']})", "",
+             "| run | tau | tokens/s | speedup vs vLLM alone | lossless | acceptance by position |",
+             "|---|---|---|---|---|---|"]
+    for name, row in v["runs"].items():
+        label = f"draft ({v['draft_export']} export)" if name == "draft" else name
+        pos = row.get("acceptance_rate_by_position")
+        lines.append(f"| {label} | {_fmt(row['acceptance_length'])} | {_fmt(row['tokens_per_s'], 1)} | "
+                     f"{_fmt(row.get('speedup'), 2)} | {_fmt(row.get('lossless'))} | "
+                     f"{' / '.join(_fmt(p) for p in pos) if pos else 'n/a'} |")
+    draft = v["runs"].get("draft")
+    if draft is not None and v.get("ours_accept_length") is not None:
+        lines += ["", f"tau of the draft as vLLM counts it (1 + accepted drafts per verify round): ours "
+                  f"{_fmt(v['ours_accept_length'])}, vLLM {_fmt(draft['acceptance_length'])}; ours by position "
+                  f"{' / '.join(_fmt(p) for p in (our_by_pos or []))}."]
+    if draft is not None and "speedup" in draft and "speedup" in v["runs"]["ngram"]:
+        lines += ["", f"In vLLM the draft runs {_fmt(draft['speedup'], 2)}x vLLM alone; vLLM's free n-gram drafter "
+                  f"{_fmt(v['runs']['ngram']['speedup'], 2)}x."]
+    return lines
 
 
 def _png(fig: Any) -> bytes:
@@ -204,11 +236,12 @@ def write_report(r: dict, out_dir: str | os.PathLike, spec_gens: Sequence[Genera
     paths = {name: out / name for name in ("report.json", "report.md", "acceptance_by_position.png",
                                            "tau_by_category.png", "generations.jsonl")}
     label = f"{r['settings'].get('dataset')}, mode {r['settings']['spec'].get('mode')}"
-    atomic_write_bytes(paths["acceptance_by_position.png"], plot_acceptance_by_position(
-        r["acceptance_rate_by_position"], r["conditional_acceptance_by_position"],
-        f"acceptance by position ({label})"))
-    atomic_write_bytes(paths["tau_by_category.png"], plot_tau_by_category(
-        r["by_category"], f"tau by category ({label})"))
+    if "acceptance_rate_by_position" in r:  # our runtime ran (engine=vllm alone has only vLLM's rows)
+        atomic_write_bytes(paths["acceptance_by_position.png"], plot_acceptance_by_position(
+            r["acceptance_rate_by_position"], r["conditional_acceptance_by_position"],
+            f"acceptance by position ({label})"))
+        atomic_write_bytes(paths["tau_by_category.png"], plot_tau_by_category(
+            r["by_category"], f"tau by category ({label})"))
     rows = [json.dumps({"sample_id": g.sample_id, "category": g.category, "turn": g.turn, "prompt_len": g.prompt_len,
                         "num_tokens": g.num_tokens, "num_rounds": g.result.num_rounds,
                         "accept_lens": list(g.result.accept_lens), "stopped_eos": bool(g.result.stopped_eos),

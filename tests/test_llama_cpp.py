@@ -22,8 +22,9 @@ from drafthead.export import llama_cpp as lc
 from drafthead.export.common import GGUF_FINGERPRINT_KEY
 from drafthead.export.llama_cpp import default_threads, llama_cpp_bin, run_speculative
 from drafthead.registry import save_draft
-from drafthead.target import capture, load_target
-from drafthead.vocab import build_vocab_mapping, draft_ids
+from drafthead.target import load_target
+from drafthead.vocab import build_vocab_mapping
+from tests.overfit import batch, overfit_eagle3
 
 pytestmark = pytest.mark.slow
 
@@ -63,52 +64,13 @@ def world(tmp_path_factory, bins):
     print(f"\n[{time.perf_counter() - t0:.0f}s] target loaded, llama.cpp target-alone runs done")
 
     # training data: prompt + llama.cpp's own greedy continuation, loss on the continuation
-    seqs, masks = [], []
-    for p, c in zip(prompts, longer, strict=True):
-        n_prompt = len(tok(p, add_special_tokens=False).input_ids)
-        ids = tok(p + c.text, add_special_tokens=False).input_ids
-        seqs.append(torch.tensor(ids))
-        masks.append(torch.arange(len(ids)) >= n_prompt)
-    T = max(len(s) for s in seqs)
-    input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    attn = torch.zeros(len(seqs), T, dtype=torch.long)
-    loss_mask = torch.zeros(len(seqs), T, dtype=torch.long)
-    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
-        input_ids[i, : len(s)], attn[i, : len(s)], loss_mask[i, : len(s)] = s, 1, m.long()
-
+    seqs = [tok(p + c.text, add_special_tokens=False).input_ids for p, c in zip(prompts, longer, strict=True)]
+    data = batch(seqs, [len(tok(p, add_special_tokens=False).input_ids) for p in prompts])
     # a draft MLP twice the target's, as eagle3_smollm2 trains it: llama.cpp must read the draft's own n_ff
-    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=DRAFT_VOCAB,
-                                   intermediate_size=2 * target.config.intermediate_size)
-    counts = torch.bincount(input_ids[attn.bool()], minlength=cfg.vocab_size)
-    d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)  # holds every token of these sequences
-    aux, _ = capture(target.model, input_ids, attn, cfg.aux_layer_ids)  # [B, T, 3H]
-    # targets: llama.cpp's own next tokens (what its verifier accepts), as sharp draft-vocab logits
-    nxt = torch.roll(input_ids, -1, dims=1)  # [B, T] x_{j+1} at j
-    draft_of = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
-    draft_of[draft_ids(d2t)] = torch.arange(cfg.draft_vocab_size)
-    teacher = torch.full((*input_ids.shape, cfg.draft_vocab_size), -20.0)  # [B, T, N]
-    teacher.scatter_(-1, draft_of[nxt].clamp(min=0)[..., None], 20.0)
-    teacher = teacher.softmax(-1)  # the drafter trains on the teacher's distribution
-    argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)  # [B, T]
-
-    def new_drafter() -> Eagle3Drafter:
-        d = Eagle3Drafter(cfg)
-        d.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight)
-        d.d2t.copy_(d2t)
-        d.t2d.copy_(t2d)
-        return d
-
-    random_draft = new_drafter().eval()
-    trained = new_drafter()
-    opt = torch.optim.AdamW([p for p in trained.parameters() if p.requires_grad], lr=5e-3)
-    for _ in range(TRAIN_STEPS):
-        out = trained(input_ids, aux, teacher, argmax, loss_mask, num_draft_tokens=TTT_STEPS)
-        opt.zero_grad()
-        out["loss"].backward()
-        opt.step()
-    trained.eval()
-    print(f"[{time.perf_counter() - t0:.0f}s] trained {TRAIN_STEPS} steps, loss {out['loss'].item():.3f}")
-    train_acc = (out["correct"] / out["count"].clamp(min=1)).tolist()
+    fit = overfit_eagle3(target, data, DRAFT_VOCAB, TRAIN_STEPS, TTT_STEPS,
+                         intermediate_size=2 * target.config.intermediate_size)
+    trained, random_draft = fit.trained, fit.random
+    print(f"[{time.perf_counter() - t0:.0f}s] trained {TRAIN_STEPS} steps")
 
     files = {}
     for name, d in (("trained", trained), ("random", random_draft)):
@@ -117,7 +79,7 @@ def world(tmp_path_factory, bins):
     files["trained_q8"] = export(root / "trained", "gguf", root / "trained_q8.gguf", outtype="q8_0")
     print(f"[{time.perf_counter() - t0:.0f}s] exported")
     return dict(target=target, target_gguf=target_gguf, prompts=prompts, alone=alone, longer=longer, trained=trained,
-                files=files, train_acc=train_acc, input_ids=input_ids, attn=attn, aux=aux)
+                files=files, train_acc=fit.train_acc, input_ids=data.input_ids, attn=data.attn, aux=fit.aux)
 
 
 def test_llama_cpp_runs_trained_draft(world, bins):

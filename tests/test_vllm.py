@@ -1,0 +1,204 @@
+"""vLLM runs our exports (slow: makes vLLM's CPU environment once, ~2 min on 2 cores, then six vLLM processes,
+one per configuration, ~30 s each: vLLM keeps its engine for the life of a process).
+
+Flow: vLLM's CPU build (scripts/make_vllm_env.sh, its own venv, a subprocess) decodes a few chat prompts greedily
+with the SmolLM2 target alone; an EAGLE3 draft is half-trained in-process on exactly those continuations (accepted
+at some draft positions and not at others, so a misread export shows at some position), and `drafthead eval
+engine=ours,vllm` runs it in both engines (vLLM alone, the draft exported on the fly, vLLM's own n-gram drafter).
+Checked: vLLM's tokens equal its own target-alone tokens on every turn, vLLM's tau and acceptance by position are
+within 0.03 of our runtime's, which decodes the same tokens, and every layout vLLM reads an EAGLE3 draft from
+(to=sglang, to=speculators) gives exactly the same counts. What vLLM's CPU build refuses is
+named by its own message. vLLM spins its threads: these runs never overlap anything else CPU-heavy in this module.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafthead.eval import vllm
+from drafthead.dspark import DsparkDrafter, DsparkOptions
+from drafthead.dspark import build as build_dspark
+from drafthead.export import export
+from drafthead.export import llama_cpp as lc
+from drafthead.registry import FAMILIES, save_draft
+from drafthead.runtime import SpecConfig, SpeculativeGenerator
+from drafthead.target import load_target
+from tests.overfit import batch, overfit_eagle3
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = [
+    "What is the capital of France? Answer in two sentences.",
+    "Write a short poem about the sea.",
+    "Give three tips for staying healthy.",
+    "Explain what a binary search does.",
+]
+MAX_TOKENS = 48
+K = 3  # draft tokens a round, in vLLM and in our runtime
+DRAFT_VOCAB = 2048
+TRAIN_STEPS = 8  # half-trained: partly accepted (see `world`)
+TTT_STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "make_vllm_env.sh")], capture_output=True, text=True,
+                       timeout=3600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return vllm.find_python(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def world(vllm_python, tmp_path_factory) -> dict:
+    """The target (ours, fp32) and as an HF directory for vLLM, the prompts, vLLM's target-alone run, and a draft
+    half-trained on it: accepted at some positions and not at others, so acceptance by position has something to
+    compare (a misread export would show at some position)."""
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    root = tmp_path_factory.mktemp("vllm")
+    target = load_target("smollm2-135m-instruct", dtype="float32")
+    tok = target.tokenizer
+    prompts = [tok(lc.chat_prompt(tok, q), add_special_tokens=False).input_ids for q in QUESTIONS]
+    model = vllm.target_dir(target)
+    # K tokens more for training: the draft proposes past the last token it will be checked on
+    longer = vllm.run(vllm_python, model, prompts, MAX_TOKENS + K, "target alone")
+    alone = [o[:MAX_TOKENS] for o in longer.outputs]
+    fit = overfit_eagle3(target, batch([p + o for p, o in zip(prompts, longer.outputs, strict=True)],
+                                       [len(p) for p in prompts]), DRAFT_VOCAB, TRAIN_STEPS, TTT_STEPS,
+                         intermediate_size=2 * target.config.intermediate_size)
+    draft = save_draft(fit.trained, root / "draft", target.info())
+    ours = SpeculativeGenerator(target, fit.trained).generate(prompts, MAX_TOKENS,
+                                                              SpecConfig(mode="chain", num_draft_tokens=K))
+    return dict(target=target, model=model, prompts=prompts, alone=alone, draft=draft, ours=ours, root=root)
+
+
+@pytest.fixture(scope="module")
+def eval_report(world, vllm_python) -> dict:
+    """`drafthead eval engine=ours,vllm` of the draft on the same questions (its default vLLM layout, exported on
+    the fly): vLLM alone, the draft and vLLM's n-gram drafter, beside our runtime."""
+    from drafthead.eval import EvalConfig, run_eval
+
+    heldout = world["root"] / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": q}]}) + "\n"
+                               for i, q in enumerate(QUESTIONS)))
+    return run_eval(EvalConfig(draft=str(world["draft"]), dataset="sharegpt", heldout=str(heldout),
+                               max_new_tokens=MAX_TOKENS, num_draft_tokens=K, dtype="float32", engine="ours,vllm",
+                               vllm_python=str(vllm_python), out=str(world["root"] / "eval"), progress=False))
+
+
+@pytest.mark.slow
+def test_drafthead_eval_with_engine_vllm_beside_ours(world, eval_report):
+    """vLLM serves the export losslessly (every turn equals vLLM alone), at our acceptance: tau and each position
+    within 0.03 of our runtime's, which decodes the same tokens; the report shows vLLM's n-gram drafter beside it."""
+    report = eval_report
+    v = report["vllm"]["runs"]
+    assert [r.tokens for r in world["ours"]] == world["alone"], "our runtime and vLLM decode different greedy tokens"
+    assert report["lossless"] is True
+    assert v["draft"]["lossless"] is True and v["ngram"]["lossless"] is True, (v["draft"], v["ngram"])
+    assert [r["tokens"] for r in report["vllm"]["outputs"]["autoregressive"]] == world["alone"]
+    pos, ours = v["draft"]["acceptance_rate_by_position"], report["acceptance_rate_by_position"]
+    print(f"\nvLLM tau {v['draft']['acceptance_length']:.3f} by position {[round(p, 3) for p in pos]}, ours "
+          f"{report['vllm']['ours_accept_length']:.3f} {[round(p, 3) for p in ours]}; n-gram tau "
+          f"{v['ngram']['acceptance_length']}; tok/s {({k: round(r['tokens_per_s'], 1) for k, r in v.items()})}")
+    assert 0.1 < pos[0] < 0.95, f"not a partly accepted draft: {pos}"
+    assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (pos, ours)
+    assert abs(v["draft"]["acceptance_length"] - report["vllm"]["ours_accept_length"]) <= 0.05
+    assert report["vllm"]["draft_export"] == next(iter(FAMILIES["eagle3"].vllm))
+    md = (world["root"] / "eval" / "report.md").read_text()
+    assert "## In vLLM 0.32.0" in md and "| ngram |" in md and "vLLM's free n-gram drafter" in md
+
+
+@pytest.mark.slow
+def test_every_eagle3_layout_vllm_reads_is_the_same_draft_to_it(world, eval_report, vllm_python, tmp_path):
+    """The other layouts (to=speculators) served by vLLM on the same questions: the same tokens and exactly the
+    same spec-decode counters as the layout the eval exported."""
+    fmt0, *others = FAMILIES["eagle3"].vllm
+    first = eval_report["vllm"]["runs"]["draft"]
+    assert others, "EAGLE3 declares one vLLM layout only"
+    for fmt in others:
+        out = export(world["draft"], fmt, tmp_path / fmt, **({"verifier": str(world["model"])}
+                                                             if fmt == "speculators" else {}))
+        run = vllm.run(vllm_python, world["model"], world["prompts"], MAX_TOKENS, f"eagle3 {fmt}",
+                       spec=vllm.speculative_config(FAMILIES["eagle3"].vllm[fmt], out, K))
+        assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
+        assert run.spec == first["spec_counters"], (fmt, run.spec, fmt0, first["spec_counters"])
+
+
+@pytest.mark.slow
+def test_what_vllms_cpu_build_refuses_is_named_in_its_own_words(world, vllm_python, tmp_path):
+    """A DSpark draft in the speculators layout: vLLM's CPU build (its V1 model runner) refuses it with the message
+    the family records, and `drafthead eval engine=vllm` names that before loading anything."""
+    target = world["target"]
+    opts = DsparkOptions(num_layers=1, block_size=4, mask_token_id=16, target_layer_ids=[1, 14, 27], markov_rank=32)
+    torch.manual_seed(0)
+    ddir = save_draft(DsparkDrafter(build_dspark(target.config, opts, None, None)), tmp_path / "dspark",
+                      target.info())
+    fam = FAMILIES["dspark"]
+    for fmt, method in fam.vllm.items():
+        out = export(ddir, fmt, tmp_path / fmt, verifier=str(world["model"]))
+        with pytest.raises(vllm.VllmError, match=re.escape(fam.vllm_refused[fmt])):
+            vllm.run(vllm_python, world["model"], world["prompts"][:1], 8, "dspark",
+                     spec=vllm.speculative_config(method, out, K))
+    with pytest.raises(vllm.VllmError, match=r"CPU build serves no layout of a dspark draft \(to=speculators: "
+                                             r"Model Runner V1 does not support"):
+        vllm.check_family(fam)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input, named (no vLLM run needed)
+
+def fake_python(tmp_path: Path, version: str | None) -> Path:
+    """An interpreter whose `import vllm` finds a stub of `version` (None: no vllm at all)."""
+    site = tmp_path / "site"
+    if version is not None:
+        (site / "vllm").mkdir(parents=True)
+        (site / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\nPYTHONPATH={site} PYTHONNOUSERSITE=1 exec {sys.executable} -S \"$@\"\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_missing_vllm_environment_is_named(tmp_path, monkeypatch):
+    monkeypatch.delenv("DRAFTHEAD_VLLM_PYTHON", raising=False)
+    with pytest.raises(vllm.VllmError, match=r"no vLLM environment at .*nowhere.*bash scripts/make_vllm_env.sh"):
+        vllm.find_python(tmp_path / "nowhere" / "python")
+
+
+def test_an_interpreter_without_vllm_is_named(tmp_path):
+    with pytest.raises(vllm.VllmError, match=r"cannot import vllm \(ModuleNotFoundError: No module named 'vllm'\)"):
+        vllm.find_python(fake_python(tmp_path, None))
+
+
+def test_the_wrong_vllm_version_is_named(tmp_path):
+    with pytest.raises(vllm.VllmError, match=r"has vLLM 0\.31\.0; drafthead runs its exports in vLLM 0\.32\.0"):
+        vllm.find_python(fake_python(tmp_path, "0.31.0"))
+
+
+def test_the_environment_variable_names_the_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTHEAD_VLLM_PYTHON", str(fake_python(tmp_path, vllm.VLLM_VERSION)))
+    assert vllm.find_python() == Path(os.environ["DRAFTHEAD_VLLM_PYTHON"])
+
+
+def test_eval_names_an_unknown_engine():
+    from drafthead.eval import EvalConfig, validate
+
+    with pytest.raises(ValueError, match=r"engine=ours,tpu: unknown engine 'tpu'; each must be one of ours, vllm"):
+        validate(EvalConfig(target="smollm2-135m-instruct", engine="ours,tpu"))
+
+
+def test_eval_with_engine_vllm_names_a_missing_vllm_before_loading_anything(tmp_path, capsys):
+    from drafthead import cli
+
+    code = cli.main(["eval", "target=no-such-target", "engine=ours,vllm", f"vllm_python={tmp_path / 'none'}",
+                     f"out={tmp_path / 'out'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("drafthead eval: error: no vLLM environment at") and "make_vllm_env.sh" in err[0]
