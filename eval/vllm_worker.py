@@ -1,13 +1,15 @@
 """One vLLM run, inside vLLM's own environment (scripts/make_vllm_env.sh): never imported by drafthead.
 
-    VLLM_PYTHON eval/vllm_worker.py JOB.json OUT.json
+    VLLM_PYTHON eval/vllm_worker.py JOB.json OUT.json     # one configuration over the job's prompts
+    VLLM_PYTHON eval/vllm_worker.py --serve JOB.json      # one engine answering batches from stdin (regeneration)
 
 vLLM pins transformers below drafthead's, so it lives in a venv of its own and this file is its only contact with
 drafthead: it imports nothing of ours. The job names the target directory, the prompts (token ids, so both
 runtimes see exactly the same prompt; or conversations of user turns, templated as drafthead eval templates them),
-the sampling and one engine configuration (with or without a draft). The result holds each turn's generated ids, the spec-decode counters vLLM keeps (drafts, drafted and accepted
-tokens, accepted by position) as differences over the timed prompts alone, and the decode time. One process per
-configuration: vLLM's engine keeps its threads and memory for the life of the process.
+the sampling and one engine configuration (with or without a draft). The result holds each turn's generated ids
+and decode time, and the spec-decode counters vLLM keeps (drafts, drafted and accepted tokens, accepted by
+position) as differences over the timed turns alone. One process per configuration: vLLM's engine keeps its
+threads and memory for the life of the process.
 """
 from __future__ import annotations
 
@@ -44,18 +46,49 @@ def chat_ids(tok, messages: list[dict]) -> list[int]:
     return list(tok.encode(text, add_special_tokens=False))
 
 
+def engine(job: dict):
+    """vLLM's offline engine for the job's target (and draft), with its stats on (the spec-decode counters)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 2)))
+    from vllm import LLM
+
+    return LLM(model=job["model"], tokenizer=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
+               enforce_eager=job.get("enforce_eager", True), seed=job.get("seed", 0), disable_log_stats=False,
+               speculative_config=job.get("speculative_config"),
+               max_num_seqs=job.get("max_num_seqs", job.get("batch_size", 1)))
+
+
+SAID = "@@drafthead "  # marks this worker's lines on stdout, where vLLM logs too
+
+
+def serve(job_path: str) -> None:
+    """Keep one engine and answer batches read from stdin, one JSON line each ({"prompts": [[ids]], "max_tokens",
+    "temperature", "top_p", "seed", "stop_token_ids"}), with one marked line each ({"outputs": [[ids]], "s"}):
+    regeneration sends thousands of prompts, and a process per batch would spend most of its time starting."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine(json.loads(open(job_path).read()))
+    print(SAID + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        params = SamplingParams(temperature=req.get("temperature", 0.0), top_p=req.get("top_p", 1.0),
+                                max_tokens=req["max_tokens"], seed=req.get("seed", 0),
+                                stop_token_ids=req.get("stop_token_ids") or None)
+        t = time.perf_counter()
+        res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
+        print(SAID + json.dumps({"outputs": [list(r.outputs[0].token_ids) for r in res],
+                                 "s": time.perf_counter() - t}), flush=True)
+
+
 def main(job_path: str, out_path: str) -> None:
     job = json.loads(open(job_path).read())
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job.get("kv_cache_gib", 2)))
     import torch
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=job["model"], tokenizer=job["model"], dtype=job["dtype"], max_model_len=job["max_model_len"],
-              enforce_eager=job.get("enforce_eager", True), seed=job.get("seed", 0), disable_log_stats=False,
-              speculative_config=job.get("speculative_config"), max_num_seqs=job.get("max_num_seqs", 1))
+    llm = engine(job)
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=job.get("temperature", 0.0), top_p=job.get("top_p", 1.0),
                             max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False),
@@ -105,4 +138,4 @@ def main(job_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    serve(sys.argv[2]) if sys.argv[1] == "--serve" else main(*sys.argv[1:3])

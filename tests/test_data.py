@@ -4,6 +4,7 @@ real SmolLM2 tokenizer and the real ShareGPT file only in the few `slow` tests."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -353,7 +354,7 @@ def tiny_target():
 
 def two_turns(batch_size: int) -> "tdata.AnswerOptions":
     """Six new tokens a turn, two turns: short answers to compare batchings and paths."""
-    return tdata.AnswerOptions(max_new_tokens=6, batch_size=batch_size, max_turns=2)
+    return tdata.AnswerOptions(max_new_tokens=6, batch_size=batch_size, max_turns=2, engine="ours")
 
 
 def regen_convs() -> list[Conversation]:
@@ -418,15 +419,34 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
     assert tdata.regenerate(target, convs, str(out), two_turns(2)) == ref
 
 
-def test_regenerate_runtime_matches_hf_generate(tmp_path, monkeypatch):
+def test_regenerate_runtime_matches_hf_generate(tmp_path, monkeypatch, capsys):
     """Regeneration runs on drafthead's batched loop when the architecture allows; greedy answers are the
-    ones HF `generate` gives (the fallback for other architectures)."""
+    ones HF `generate` gives (the fallback for other architectures, and what engine=auto takes when neither vLLM
+    nor our runtime can answer)."""
     target, convs = tiny_target(), regen_convs()
     ours = tdata.regenerate(target, convs, str(tmp_path / "ours.jsonl"), two_turns(3))
-    monkeypatch.setattr(tdata, "_ar_runtime", lambda *a: None)
     monkeypatch.setattr(SpeculativeGenerator, "generate", lambda *a, **k: pytest.fail("HF path expected"))
-    hf = tdata.regenerate(target, convs, str(tmp_path / "hf.jsonl"), two_turns(3))
+    hf = tdata.regenerate(target, convs, str(tmp_path / "hf.jsonl"), replace(two_turns(3), engine="hf"))
     assert ours == hf and len(ours) == len(convs)
+    monkeypatch.setattr(tdata, "_ar_runtime", lambda *a: None)
+    auto = replace(two_turns(3), engine="auto", vllm_python=str(tmp_path / "no-vllm" / "python"))
+    capsys.readouterr()
+    assert tdata.regenerate(target, convs, str(tmp_path / "auto.jsonl"), auto) == hf
+    said = capsys.readouterr().out
+    assert "HF generate" in said and "vLLM not used: no vLLM environment at" in said
+
+
+def test_regenerate_engine_ours_on_an_architecture_it_cannot_run_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(tdata, "_ar_runtime", lambda *a: None)
+    with pytest.raises(ValueError, match=r"engine=ours: our runtime does not run model type 'llama'; use "
+                                         r"engine=vllm or engine=hf"):
+        tdata.regenerate(tiny_target(), regen_convs(), str(tmp_path / "r.jsonl"), two_turns(2))
+
+
+def test_regenerate_engine_vllm_without_vllm_is_named(tmp_path):
+    opts = replace(two_turns(2), engine="vllm", vllm_python=str(tmp_path / "none"))
+    with pytest.raises(ValueError, match=r"no vLLM environment at .*none.*make_vllm_env\.sh"):
+        tdata.regenerate(tiny_target(), regen_convs(), str(tmp_path / "r.jsonl"), opts)
 
 
 # ----------------------------------------------------------------------------- real assets (slow)
@@ -498,7 +518,8 @@ def test_regenerate_skips_and_counts_long_prompts(tmp_path, capsys):
     limit = sorted(lens)[len(lens) // 2]
     capsys.readouterr()
     got = tdata.regenerate(target, convs, str(tmp_path / "r.jsonl"),
-                           tdata.AnswerOptions(max_new_tokens=4, batch_size=2, max_prompt_tokens=limit))
+                           tdata.AnswerOptions(max_new_tokens=4, batch_size=2, max_prompt_tokens=limit,
+                                               engine="ours"))
     kept = [c.id for c, n in zip(convs, lens) if n <= limit]
     assert [c.id for c in got] == kept and 0 < len(kept) < len(convs)
     assert f"{len(convs) - len(kept)} conversations keep their original answers" in capsys.readouterr().out

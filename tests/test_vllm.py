@@ -132,6 +132,24 @@ def test_every_eagle3_layout_vllm_reads_is_the_same_draft_to_it(world, eval_repo
 
 
 @pytest.mark.slow
+def test_regeneration_through_vllm_writes_vllms_own_greedy_answers(world, vllm_python, tmp_path, capsys):
+    """`data.regenerate.engine=vllm`: one vLLM engine answers every conversation; each answer is vLLM's own greedy
+    continuation of that prompt (what vLLM alone decoded above), cut at the target's end of turn."""
+    from drafthead.trainer import data as tdata
+
+    target, n = world["target"], 32
+    convs = [tdata.Conversation(f"q{i}", [{"role": "user", "content": q}, {"role": "assistant", "content": "old"}])
+             for i, q in enumerate(QUESTIONS)]
+    opts = tdata.AnswerOptions(max_new_tokens=n, batch_size=4, engine="vllm", vllm_python=str(vllm_python))
+    got = tdata.regenerate(target, convs, str(tmp_path / "regen.jsonl"), opts)
+    said = capsys.readouterr().out
+    assert "vLLM's offline engine" in said and "tok/s, engine start included" in said
+    tok = target.tokenizer
+    for c, alone in zip(got, world["alone"], strict=True):
+        assert c.messages[-1]["content"] == tok.decode(alone[:n], skip_special_tokens=True).strip(), c.id
+
+
+@pytest.mark.slow
 def test_what_vllms_cpu_build_refuses_is_named_in_its_own_words(world, vllm_python, tmp_path):
     """A DSpark draft in the speculators layout: vLLM's CPU build (its V1 model runner) refuses it with the message
     the family records, and `drafthead eval engine=vllm` names that before loading anything."""

@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from drafthead.cli import key_values
+from drafthead.trainer.data import ANSWER_ENGINES
 from drafthead.hardware import DTYPES
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -48,6 +49,10 @@ class RegenerateConfig:
     max_prompt_tokens: int | None = None
     heldout: bool = False  # also answer the held-out prompts with the target: held-out accuracy then scores
     # what drafting meets at inference (the target's own text) instead of the dataset's answers
+    # who answers: vllm (vLLM's offline batched engine, scripts/make_vllm_env.sh) | ours (our batched AR loop) |
+    # hf (transformers generate) | auto (vLLM where its environment works, else ours, else hf)
+    engine: str = "auto"
+    vllm_python: str | None = None  # vLLM's interpreter (default: the one scripts/make_vllm_env.sh made)
 
 
 @dataclass
@@ -206,6 +211,7 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
 
 def validate(cfg: RunConfig) -> None:
     choices = {"capture.mode": (cfg.capture.mode, ("online", "offline")),
+               "data.regenerate.engine": (cfg.data.regenerate.engine, ANSWER_ENGINES),
                "data.overlong": (cfg.data.overlong, ("truncate", "skip")),
                "train.resume": (str(cfg.train.resume).lower(), ("auto", "true", "false"))}
     for key, (val, ok) in choices.items():

@@ -576,6 +576,11 @@ class AnswerOptions:
     # conversations whose first prompt is longer keep their original answers: a batch runs at the length of its
     # longest prompt, and an answer behind a prompt longer than the training window is cut anyway
     max_prompt_tokens: int | None = None
+    engine: str = "auto"  # vllm | ours | hf | auto (vLLM where its environment works, else ours, else hf)
+    vllm_python: str | None = None
+
+
+ANSWER_ENGINES = ("auto", "vllm", "ours", "hf")
 
 
 def _ar_runtime(target, eot: list[int]):
@@ -593,8 +598,9 @@ def _ar_runtime(target, eot: list[int]):
 
 
 class _Answerer:
-    """Answers a batch of tokenized prompts: our runtime's batched AR loop where it runs the architecture, HF
-    `generate` elsewhere. Answers stop at the first end-of-turn token (kept)."""
+    """Answers a batch of tokenized prompts with the engine `opts.engine` names: vLLM's offline engine (one
+    process kept for the whole run, batches of `batch_size`), our runtime's batched AR loop where it runs the
+    architecture, or HF `generate`. Answers stop at the first end-of-turn token (kept)."""
 
     def __init__(self, target, opts: AnswerOptions) -> None:
         tok, model = target.tokenizer, target.model
@@ -609,12 +615,46 @@ class _Answerer:
             self.gen_kw.update(temperature=opts.temperature, top_p=opts.top_p, top_k=0)
         else:  # greedy; unset the sampling knobs some generation_configs carry (avoids warnings)
             self.gen_kw.update(temperature=None, top_p=None, top_k=None)
-        self.runtime = _ar_runtime(target, self.eot)
+        if opts.engine not in ANSWER_ENGINES:
+            raise ValueError(f"regenerate engine={opts.engine!r}: choose from {', '.join(ANSWER_ENGINES)}")
+        self.vllm, self.vllm_python, self.why = None, None, ""
+        if opts.engine in ("vllm", "auto"):
+            from drafthead.eval import vllm
+
+            try:
+                self.vllm_python = vllm.find_python(opts.vllm_python)
+            except vllm.VllmError as e:
+                if opts.engine == "vllm":
+                    raise
+                self.why = f" (vLLM not used: {e})"
+        self.runtime = None if self.vllm_python is not None or opts.engine == "hf" else _ar_runtime(target, self.eot)
+        if opts.engine == "ours" and self.runtime is None:
+            raise ValueError(f"regenerate engine=ours: our runtime does not run model type "
+                             f"{getattr(model.config, 'model_type', None)!r}; use engine=vllm or engine=hf")
+        self.target = target
+
+    def __enter__(self) -> _Answerer:
+        if self.vllm_python is not None:  # one engine for the whole run: it takes ~20 s to start
+            from drafthead.eval import vllm
+
+            limit = getattr(self.model.config, "max_position_embeddings", None) or 4096
+            self.vllm = vllm.Session(self.vllm_python, vllm.target_dir(self.target),
+                                     str(self.model.dtype).removeprefix("torch."), limit, self.opts.batch_size)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
 
     def describe(self) -> str:
+        if self.vllm_python is not None:
+            return f"vLLM's offline engine ({self.vllm_python}, batches of {self.opts.batch_size})"
         if self.runtime is None:
-            return f"HF generate (batches of {self.opts.batch_size}; the runtime does not run this architecture)"
-        return f"our runtime's batched loop (batches of {self.opts.batch_size}); {self.runtime.model.paths()}"
+            return (f"HF generate (batches of {self.opts.batch_size}"
+                    + ("" if self.opts.engine == "hf" else "; the runtime does not run this architecture") + ")"
+                    + self.why)
+        return f"our runtime's batched loop (batches of {self.opts.batch_size}); {self.runtime.model.paths()}{self.why}"
 
     def __call__(self, prompts: list[list[int]], seed: int) -> list[list[int]]:
         import torch
@@ -622,7 +662,9 @@ class _Answerer:
         from drafthead.runtime.generate import SpecConfig
 
         o = self.opts
-        if self.runtime is not None:  # our batched loop: finished rows leave the batch
+        if self.vllm is not None:
+            answers, _ = self.vllm.generate(prompts, o.max_new_tokens, o.temperature, o.top_p, seed, self.eot)
+        elif self.runtime is not None:  # our batched loop: finished rows leave the batch
             spec = SpecConfig(mode="ar", temperature=o.temperature, top_p=o.top_p, seed=seed, batch_size=len(prompts))
             answers = [r.tokens for r in self.runtime.generate(prompts, o.max_new_tokens, spec)]
         else:
@@ -716,7 +758,8 @@ def regenerate(target, convs: list[Conversation], out_path: str, opts: AnswerOpt
     side, tok.padding_side = tok.padding_side, "left"
     too_long, new_tokens, t0 = 0, 0, time.time()
     try:
-        with open(out, "ab") as f, tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True) as bar:
+        with answer, open(out, "ab") as f, tqdm(total=len(todo), desc="regenerate", unit="conv",
+                                                 dynamic_ncols=True) as bar:
             for b in range(0, len(todo), opts.batch_size):
                 batch = todo[b:b + opts.batch_size]
                 torch.manual_seed(opts.seed + b)
@@ -739,4 +782,8 @@ def regenerate(target, convs: list[Conversation], out_path: str, opts: AnswerOpt
     if too_long:
         print(f"regenerate: {too_long} conversations not written: the first prompt + max_new_tokens exceeds "
               f"the target's {limit} positions", flush=True)
+    if todo:
+        took = time.time() - t0
+        print(f"regenerate: {len(todo)} conversations, {new_tokens} new tokens in {took:.1f} s "
+              f"({new_tokens / max(took, 1e-9):.1f} tok/s, engine start included)", flush=True)
     return [done[c.id] for c in convs if c.id in done]

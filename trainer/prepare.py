@@ -66,7 +66,8 @@ def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: P
         opts = tdata.AnswerOptions(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                    batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
                                    chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking,
-                                   max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1))
+                                   max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1),
+                                   engine=rc.engine, vllm_python=rc.vllm_python)
         tdata.regenerate(target, chosen, str(out), opts)
     barrier(d)
     regen = {c.id: c for c in tdata.read_jsonl(out)}
