@@ -50,7 +50,7 @@ class RegenerateConfig:
     heldout: bool = False  # also answer the held-out prompts with the target: held-out accuracy then scores
     # what drafting meets at inference (the target's own text) instead of the dataset's answers
     # who answers: vllm (vLLM's offline batched engine, scripts/make_vllm_env.sh) | ours (our batched AR loop) |
-    # hf (transformers generate) | auto (vLLM where its environment works, else ours, else hf)
+    # hf (transformers generate) | auto (ours where it runs the architecture, else vLLM where it works, else hf)
     engine: str = "auto"
     vllm_python: str | None = None  # vLLM's interpreter (default: the one scripts/make_vllm_env.sh made)
 

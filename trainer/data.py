@@ -576,7 +576,7 @@ class AnswerOptions:
     # conversations whose first prompt is longer keep their original answers: a batch runs at the length of its
     # longest prompt, and an answer behind a prompt longer than the training window is cut anyway
     max_prompt_tokens: int | None = None
-    engine: str = "auto"  # vllm | ours | hf | auto (vLLM where its environment works, else ours, else hf)
+    engine: str = "auto"  # vllm | ours | hf | auto (ours where it runs the architecture, else vLLM, else hf)
     vllm_python: str | None = None
 
 
@@ -618,7 +618,10 @@ class _Answerer:
         if opts.engine not in ANSWER_ENGINES:
             raise ValueError(f"regenerate engine={opts.engine!r}: choose from {', '.join(ANSWER_ENGINES)}")
         self.vllm, self.vllm_python, self.why = None, None, ""
-        if opts.engine in ("vllm", "auto"):
+        # auto: our loop where it runs the architecture (on a 2-core CPU it answered ~7x vLLM's CPU build's tokens/s
+        # at batch 8: docs/benchmarks.md), else vLLM where its environment works, else HF generate
+        self.runtime = None if opts.engine in ("vllm", "hf") else _ar_runtime(target, self.eot)
+        if opts.engine == "vllm" or (opts.engine == "auto" and self.runtime is None):
             from drafthead.eval import vllm
 
             try:
@@ -627,7 +630,6 @@ class _Answerer:
                 if opts.engine == "vllm":
                     raise
                 self.why = f" (vLLM not used: {e})"
-        self.runtime = None if self.vllm_python is not None or opts.engine == "hf" else _ar_runtime(target, self.eot)
         if opts.engine == "ours" and self.runtime is None:
             raise ValueError(f"regenerate engine=ours: our runtime does not run model type "
                              f"{getattr(model.config, 'model_type', None)!r}; use engine=vllm or engine=hf")
