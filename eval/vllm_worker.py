@@ -57,18 +57,17 @@ def engine(job: dict):
                max_num_seqs=job.get("max_num_seqs", job.get("batch_size", 1)))
 
 
-SAID = "@@drafthead "  # marks this worker's lines on stdout, where vLLM logs too
-
-
 def serve(job_path: str) -> None:
     """Keep one engine and answer batches read from stdin, one JSON line each ({"prompts": [[ids]], "max_tokens",
-    "temperature", "top_p", "seed", "stop_token_ids"}), with one marked line each ({"outputs": [[ids]], "s"}):
+    "temperature", "top_p", "seed", "stop_token_ids"}), with one line each on stdout ({"outputs": [[ids]], "s"}):
     regeneration sends thousands of prompts, and a process per batch would spend most of its time starting."""
+    answer = os.fdopen(os.dup(1), "w")  # the answers' channel: stdout as it was given
+    os.dup2(2, 1)  # everything else written to stdout (vLLM's logs, prints) goes to stderr from here on
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = engine(json.loads(open(job_path).read()))
-    print(SAID + json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=answer, flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         params = SamplingParams(temperature=req.get("temperature", 0.0), top_p=req.get("top_p", 1.0),
@@ -76,8 +75,8 @@ def serve(job_path: str) -> None:
                                 stop_token_ids=req.get("stop_token_ids") or None)
         t = time.perf_counter()
         res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], params, use_tqdm=False)
-        print(SAID + json.dumps({"outputs": [list(r.outputs[0].token_ids) for r in res],
-                                 "s": time.perf_counter() - t}), flush=True)
+        print(json.dumps({"outputs": [list(r.outputs[0].token_ids) for r in res], "s": time.perf_counter() - t}),
+              file=answer, flush=True)
 
 
 def main(job_path: str, out_path: str) -> None:

@@ -1,4 +1,4 @@
-"""vLLM runs our exports (slow: makes vLLM's CPU environment once, ~2 min on 2 cores, then six vLLM processes,
+"""vLLM runs our exports (slow: makes vLLM's CPU environment once, ~2 min on 2 cores, then seven vLLM processes,
 one per configuration, ~30 s each: vLLM keeps its engine for the life of a process).
 
 Flow: vLLM's CPU build (scripts/make_vllm_env.sh, its own venv, a subprocess) decodes a few chat prompts greedily
