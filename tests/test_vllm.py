@@ -1,11 +1,12 @@
-"""vLLM runs our exports (slow: makes vLLM's CPU environment once, ~2 min on 2 cores, then seven vLLM processes,
+"""vLLM runs our exports (slow: makes vLLM's CPU environment once, ~2 min on 2 cores, then six vLLM processes,
 one per configuration, ~30 s each: vLLM keeps its engine for the life of a process).
 
-Flow: vLLM's CPU build (scripts/make_vllm_env.sh, its own venv, a subprocess) decodes a few chat prompts greedily
-with the SmolLM2 target alone; an EAGLE3 draft is half-trained in-process on exactly those continuations (accepted
-at some draft positions and not at others, so a misread export shows at some position), and `drafthead eval
-engine=ours,vllm` runs it in both engines (vLLM alone, the draft exported on the fly, vLLM's own n-gram drafter).
-Checked: vLLM's tokens equal its own target-alone tokens on every turn, vLLM's tau and acceptance by position are
+Flow: an EAGLE3 draft is half-trained in-process on our runtime's fp32 greedy continuations of a few chat prompts
+with the SmolLM2 target (accepted at some draft positions and not at others, so a misread export shows at some
+position), and `drafthead eval engine=ours,vllm` runs it in both engines (vLLM's CPU build from
+scripts/make_vllm_env.sh, its own venv, a subprocess: vLLM alone, the draft exported on the fly, vLLM's own n-gram
+drafter). Checked: vLLM alone decodes exactly our fp32 greedy tokens, vLLM's tokens with each drafter equal its own
+target-alone tokens on every turn, vLLM's tau and acceptance by position are
 within 0.03 of our runtime's, which decodes the same tokens, and every layout vLLM reads an EAGLE3 draft from
 (to=sglang, to=speculators) gives exactly the same counts. What vLLM's CPU build refuses is
 named by its own message. vLLM spins its threads: these runs never overlap anything else CPU-heavy in this module.
@@ -67,10 +68,11 @@ def world(vllm_python, tmp_path_factory) -> dict:
     tok = target.tokenizer
     prompts = [tok(lc.chat_prompt(tok, q), add_special_tokens=False).input_ids for q in QUESTIONS]
     model = vllm.target_dir(target)
-    # K tokens more for training: the draft proposes past the last token it will be checked on
-    longer = vllm.run(vllm_python, model, prompts, MAX_TOKENS + K, "target alone")
-    alone = [o[:MAX_TOKENS] for o in longer.outputs]
-    fit = overfit_eagle3(target, batch([p + o for p, o in zip(prompts, longer.outputs, strict=True)],
+    # K tokens more for training: the draft proposes past the last token it will be checked on. fp32 greedy is the
+    # same in both engines (checked against vLLM alone in the eval below), so vLLM need not decode these itself.
+    longer = [r.tokens for r in SpeculativeGenerator(target).generate(prompts, MAX_TOKENS + K, SpecConfig(mode="ar"))]
+    alone = [o[:MAX_TOKENS] for o in longer]
+    fit = overfit_eagle3(target, batch([p + o for p, o in zip(prompts, longer, strict=True)],
                                        [len(p) for p in prompts]), DRAFT_VOCAB, TRAIN_STEPS, TTT_STEPS,
                          intermediate_size=2 * target.config.intermediate_size)
     draft = save_draft(fit.trained, root / "draft", target.info())
@@ -99,10 +101,11 @@ def test_drafthead_eval_with_engine_vllm_beside_ours(world, eval_report):
     within 0.03 of our runtime's, which decodes the same tokens; the report shows vLLM's n-gram drafter beside it."""
     report = eval_report
     v = report["vllm"]["runs"]
-    assert [r.tokens for r in world["ours"]] == world["alone"], "our runtime and vLLM decode different greedy tokens"
+    assert [r["tokens"] for r in report["vllm"]["outputs"]["autoregressive"]] == world["alone"], \
+        "vLLM alone and our runtime decode different fp32 greedy tokens"
+    assert [r.tokens for r in world["ours"]] == world["alone"]
     assert report["lossless"] is True
     assert v["draft"]["lossless"] is True and v["ngram"]["lossless"] is True, (v["draft"], v["ngram"])
-    assert [r["tokens"] for r in report["vllm"]["outputs"]["autoregressive"]] == world["alone"]
     pos, ours = v["draft"]["acceptance_rate_by_position"], report["acceptance_rate_by_position"]
     print(f"\nvLLM tau {v['draft']['acceptance_length']:.3f} by position {[round(p, 3) for p in pos]}, ours "
           f"{report['vllm']['ours_accept_length']:.3f} {[round(p, 3) for p in ours]}; n-gram tau "
@@ -119,6 +122,7 @@ def test_drafthead_eval_with_engine_vllm_beside_ours(world, eval_report):
 def test_every_eagle3_layout_vllm_reads_is_the_same_draft_to_it(world, eval_report, vllm_python, tmp_path):
     """The other layouts (to=speculators) served by vLLM on the same questions: the same tokens and exactly the
     same spec-decode counters as the layout the eval exported."""
+    alone = [r["tokens"] for r in eval_report["vllm"]["outputs"]["autoregressive"]]
     fmt0, *others = FAMILIES["eagle3"].vllm
     first = eval_report["vllm"]["runs"]["draft"]
     assert others, "EAGLE3 declares one vLLM layout only"
@@ -127,14 +131,15 @@ def test_every_eagle3_layout_vllm_reads_is_the_same_draft_to_it(world, eval_repo
                                                              if fmt == "speculators" else {}))
         run = vllm.run(vllm_python, world["model"], world["prompts"], MAX_TOKENS, f"eagle3 {fmt}",
                        spec=vllm.speculative_config(FAMILIES["eagle3"].vllm[fmt], out, K))
-        assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
+        assert run.outputs == alone, f"{fmt}: differs from vLLM without speculation"
         assert run.spec == first["spec_counters"], (fmt, run.spec, fmt0, first["spec_counters"])
 
 
 @pytest.mark.slow
-def test_regeneration_through_vllm_writes_vllms_own_greedy_answers(world, vllm_python, tmp_path, capsys):
+def test_regeneration_through_vllm_writes_vllms_own_greedy_answers(world, eval_report, vllm_python, tmp_path,
+                                                                   capsys):
     """`data.regenerate.engine=vllm`: one vLLM engine answers every conversation; each answer is vLLM's own greedy
-    continuation of that prompt (what vLLM alone decoded above), cut at the target's end of turn."""
+    continuation of that prompt (what vLLM alone decoded in the eval), cut at the target's end of turn."""
     from drafthead.trainer import data as tdata
 
     target, n = world["target"], 32
@@ -145,7 +150,7 @@ def test_regeneration_through_vllm_writes_vllms_own_greedy_answers(world, vllm_p
     said = capsys.readouterr().out
     assert "vLLM's offline engine" in said and "tok/s, engine start included" in said
     tok = target.tokenizer
-    for c, alone in zip(got, world["alone"], strict=True):
+    for c, alone in zip(got, [r["tokens"] for r in eval_report["vllm"]["outputs"]["autoregressive"]], strict=True):
         assert c.messages[-1]["content"] == tok.decode(alone[:n], skip_special_tokens=True).strip(), c.id
 
 
