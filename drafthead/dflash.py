@@ -43,6 +43,7 @@ class DflashOptions:
     mask_token_id: int | None = None  # a row of the target's embedding that never occurs in the data (required)
     target_layer_ids: list[int] | None = None  # outputs of these target layers (z-lab); null = z-lab's spacing
     num_anchors: int = 512  # blocks per sequence and step, at most
+
     # dense: anchors may overlap (each block still sees only the context before its own anchor), as the reference
     # trains; false: no two blocks overlap (at most T / B of them), which starves the slots of supervision
     overlap_anchors: bool = True
@@ -322,9 +323,10 @@ class DflashDrafter(OwnLayers, nn.Module):
         # P(slot k right | slots < k right) over blocks whose slot k is supervised: independent guesses (a starved
         # block drafter) show as slot-1 accuracy ~ this ratio at every k; a drafter that conditions well, higher
         before = torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1).bool() & ok  # [B, A, K]
+        blocks = valid.sum().float()
         return {"loss": loss, "step_loss": step_loss / count.clamp(min=1), "correct": correct, "count": count,
-                "accept_len": (accepted * valid).sum().float(), "blocks": valid.sum().float(),
-                "cond_correct": (before & slot_hit).sum((0, 1)).float(), "cond_count": before.sum((0, 1)).float()}
+                "ratios": {"block_accept_len": ((accepted * valid).sum().float() + blocks, blocks),  # 1 + the run
+                           "cond_acc": ((before & slot_hit).sum((0, 1)).float(), before.sum((0, 1)).float())}}
 
     def _piece_ce(self, input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, b_idx: torch.Tensor,
                   a_idx: torch.Tensor, k_idx: torch.Tensor, rows: torch.Tensor, teacher_probs: torch.Tensor,
@@ -562,9 +564,17 @@ def describe(options: DflashOptions, config: DflashConfig) -> str:
             f"{config.target_layer_ids} (outputs), mask token {config.mask_token_id}")
 
 
+def eval_summary(res: dict[str, float]) -> str:
+    """A block drafter's held-out health: the accept length measured per block, and how well slot 2 builds on
+    slot 1 (independent slots: about slot 1's accuracy)."""
+    words = (f"block accept len {res['eval/block_accept_len']:.2f}" if "eval/block_accept_len" in res
+             else f"simulated accept len {res['eval/sim_accept_len']:.2f}")
+    return words + (f", P(slot 2 | slot 1) {res['eval/cond_acc_1']:.3f}" if "eval/cond_acc_1" in res else "")
+
+
 FAMILY = Family(
     name="dflash", options=DflashOptions, config=DflashConfig, model=DflashDrafter, build=build, init=init,
-    reduced_vocab=False, describe=describe,
+    reduced_vocab=False, describe=describe, eval_summary=eval_summary,
     exporters={"dflash": "drafthead.export.dflash:to_dflash", "speculators": "drafthead.export.dflash:to_speculators",
                "gguf": "drafthead.export.dflash:to_gguf"},
     readers={"dflash": "drafthead.export.dflash:read_back", "speculators": "drafthead.export.dflash:read_back",

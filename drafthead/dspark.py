@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from drafthead.dflash import (BlockRunner, DflashConfig, DflashDrafter, check_built, sample_anchors,
+from drafthead.dflash import (BlockRunner, DflashConfig, DflashDrafter, check_built, eval_summary, sample_anchors,
                               target_layer_ids)
 from drafthead.family import Family
 from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, Proposal, chain_proposal
@@ -41,22 +41,22 @@ from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, Proposal, chai
 class DsparkOptions:
     """The recipe section `drafter.dspark.*` (the DFlash backbone's keys, then DSpark's own)."""
 
-    num_layers: int = 1
-    block_size: int = 8
+    num_layers: int = 1  # draft decoder layers
+    block_size: int = 8  # B: the block drafted in one forward (see sample_from_anchor)
     mask_token_id: int | None = None  # a row of the target's embedding that never occurs in the data (required)
     target_layer_ids: list[int] | None = None  # outputs of these target layers (z-lab); null = z-lab's spacing
-    num_anchors: int = 512
-    overlap_anchors: bool = True
-    anchor_chunk: int = 64
+    num_anchors: int = 512  # blocks per sequence and step, at most
+    overlap_anchors: bool = True  # anchors may overlap, as in DFlash (false: at most T / B blocks)
+    anchor_chunk: int = 64  # anchors per forward piece: bounds the training memory, the math is the same
     loss_decay_gamma: float = 4.0  # draft j weight exp(-j/gamma) (speculators' dspark default)
-    intermediate_size: int | None = None
+    intermediate_size: int | None = None  # null = the target's
     init: str = "target"  # target = the target's last layers and final norm; random = random layers
     markov_rank: int = 256  # r of W2 . W1[prev]
-    confidence_head: bool = True
+    confidence_head: bool = True  # a head that predicts whether each draft will be accepted (its own loss)
     sample_from_anchor: bool = True  # anchor-first block: B drafts a forward (false: DFlash's layout, B-1)
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    confidence_weight: float = 1.0
+    ce_weight: float = 0.1  # weight of the cross-entropy to the target's token
+    tv_weight: float = 0.9  # weight of the total-variation distance to the target's distribution
+    confidence_weight: float = 1.0  # weight of the confidence head's loss
     warm_start: str | None = None  # a DFlash draft directory (e.g. runs/dflash_smollm2/final): backbone from it
 
     def validate(self) -> None:
@@ -86,11 +86,11 @@ class DsparkConfig(DflashConfig):
     """DFlash's config and DSpark's heads and loss (`labels` is unused: the loss is CE + TV)."""
 
     markov_rank: int = 256
-    confidence_head: bool = True
+    confidence_head: bool = True  # a head that predicts whether each draft will be accepted (its own loss)
     sample_from_anchor: bool = True
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    confidence_weight: float = 1.0
+    ce_weight: float = 0.1  # weight of the cross-entropy to the target's token
+    tv_weight: float = 0.9  # weight of the total-variation distance to the target's distribution
+    confidence_weight: float = 1.0  # weight of the confidence head's loss
 
     @property
     def num_draft_tokens(self) -> int:
@@ -205,10 +205,12 @@ class DsparkDrafter(DflashDrafter):
             slot_hit[b_idx, a_idx + s, j_idx] = hit
         run = slot_hit.long().cumprod(-1)  # [B, A, K]
         before = torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1).bool() & ok
+        blocks = valid.sum().float()
         return {"loss": totals[0] / totals[1].clamp(min=1e-6), "step_loss": step_loss / count.clamp(min=1),
-                "correct": correct, "count": count, "accept_len": (run.sum(-1) * valid).sum().float(),
-                "blocks": valid.sum().float(), "cond_correct": (before & slot_hit).sum((0, 1)).float(),
-                "cond_count": before.sum((0, 1)).float(), "conf_error": conf_stats[0], "conf_count": conf_stats[1]}
+                "correct": correct, "count": count,
+                "ratios": {"block_accept_len": ((run.sum(-1) * valid).sum().float() + blocks, blocks),
+                           "cond_acc": ((before & slot_hit).sum((0, 1)).float(), before.sum((0, 1)).float()),
+                           "confidence_error": (conf_stats[0], conf_stats[1])}}
 
     def _piece_loss(self, input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, b_idx: torch.Tensor,
                     a_idx: torch.Tensor, j_idx: torch.Tensor, pos: torch.Tensor, tgt: torch.Tensor,
@@ -367,7 +369,7 @@ def describe(options: DsparkOptions, config: DsparkConfig) -> str:
 
 FAMILY = Family(
     name="dspark", options=DsparkOptions, config=DsparkConfig, model=DsparkDrafter, build=build, init=init,
-    reduced_vocab=False, describe=describe,
+    reduced_vocab=False, describe=describe, eval_summary=eval_summary,
     exporters={"speculators": "drafthead.export.dspark:to_speculators", "gguf": "drafthead.export.dspark:to_gguf"},
     readers={"speculators": "drafthead.export.dspark:read_back", "gguf": "drafthead.export.dspark:read_back_gguf"},
     vllm={"speculators": "dspark"},

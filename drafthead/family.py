@@ -51,6 +51,9 @@ class Family:
     renamed_keys: dict[str, str] = field(default_factory=dict)
     # (options, the drafter's built config) -> a one-line description for the training log
     describe: Callable[[Any, Any], str] | None = None
+    # a held-out eval's results ({"eval/...": value}) -> the training log's words for them after acc_0 (default:
+    # the simulated accept length)
+    eval_summary: Callable[[dict[str, float]], str] | None = None
 
 
 class Drafter(Protocol):
@@ -59,9 +62,10 @@ class Drafter(Protocol):
     Training (trainer/):
         forward(input_ids [B, T], aux_hidden [B, T, F], last_hidden [B, T, H], teacher_probs [B, T, N],
                 target_argmax [B, T], loss_mask [B, T]) -> {"loss", "step_loss", "correct", "count"}
-        (the last three [num_draft_tokens]: per draft depth). A family reads the features it needs. Block
-        drafters add `accept_len` / `blocks` and `cond_correct` / `cond_count`, a drafter with a confidence head
-        `conf_error` / `conf_count`; the held-out eval reports what is there.
+        (the last three [num_draft_tokens]: per draft depth). A family reads the features it needs. Metrics of
+        its own go in `ratios`, {name: (numerator, denominator)}, scalars or vectors summed over held-out batches
+        and ranks; the held-out eval reports `eval/<name>` = their ratio (a vector: `eval/<name>_<i>`), naming
+        none itself. Block drafters report `block_accept_len` and `cond_acc`, DSpark `confidence_error`.
     Capture: `capture_layer_ids()` (inputs of these target decoder layers, `[]` = none); the target's last
         hidden state (after its final norm) is always captured, the teacher distribution comes from it.
     Runtime (drafthead/runtime):

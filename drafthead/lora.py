@@ -38,9 +38,9 @@ class LoraOptions:
     """`drafter.lora.*`: where the draft exits and what the adapters cover."""
     exit_layer: int = 4  # E: the draft runs the target's layers 0..E-1, then the exit block
     num_exit_layers: int = 1  # n: the exit block copies the target's layers E..E+n-1
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
+    rank: int = 16  # r of each adapter
+    alpha: float = 32.0  # adapter scale alpha / r (peft's lora_alpha)
+    dropout: float = 0.0  # dropout on the adapters' input while training
     target_modules: list[str] = field(default_factory=lambda: list(MODULES))  # projections with adapters
     lora_head: bool = False  # an adapter on the (otherwise frozen) lm_head too
     num_draft_tokens: int = 1  # draft depths trained: > 1 is the multi-step mode (steps 2.. on the draft's tokens)

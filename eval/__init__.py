@@ -15,75 +15,47 @@ from typing import Any
 
 import torch
 
+from drafthead import options
 from drafthead.hardware import check_dtype
 from drafthead.runtime.generate import OWN_MODES  # the others are the drafter's (its `draft_modes` table)
 from drafthead.eval.acceptance import generate_runs, warmup
 from drafthead.eval.datasets import DATASETS, load_eval_dataset
 from drafthead.eval.report import build_report, machine_info, write_report
 
-NONE_WORDS = ("none", "None", "null", "")
-
-
 @dataclass
 class EvalConfig:
     draft: str | None = None  # <run_dir>/final, or none: n-gram drafter / AR alone
     dataset: str = "mt_bench"  # mt_bench | humaneval | sharegpt
     max_prompts: int | None = None  # default: the whole dataset
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    out: str = "eval_out"
+    max_new_tokens: int = 256  # new tokens per turn, at most
+    temperature: float = 0.0  # 0 = greedy (then speculative output must equal AR output token for token)
+    top_p: float = 1.0  # nucleus sampling when temperature > 0 (lossless by rejection sampling)
+    out: str = "eval_out"  # folder for report.json, report.md and the plots
     target: str | None = None  # default: the draft's config.json target.name_or_path
-    gguf_file: str | None = None
+    gguf_file: str | None = None  # the .gguf file inside target, when it is a folder or hub id holding several
     heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
     mode: str | None = None  # default: the draft's first mode (chain; block for DFlash), ngram without
     num_draft_tokens: int = 4  # draft depth (chain length, deepest tree path)
     tree_nodes: int = 8  # tree: draft nodes verified per round
-    topk: int = 4
-    adaptive: bool = False
+    topk: int = 4  # tree: children expanded per node
+    adaptive: bool = False  # adaptive draft depth (chain: k in [1, num_draft_tokens]; tree: depth)
     draft_stop_prob: float = 0.0  # chain: end a request's drafts before the first below this draft probability
-    ngram: bool = False
-    ngram_n: int = 3
-    seed: int = 0
-    batch_size: int = 1
+    ngram: bool = False  # stack prompt lookup (n-gram) with the draft: the longer proposal wins
+    ngram_n: int = 3  # n-gram: match length of the prompt lookup
+    seed: int = 0  # sampling seed
+    batch_size: int = 1  # requests verified together
     device: str = "auto"  # auto = cuda if available, else cpu
-    # target and draft weights: auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16
-    dtype: str = "auto"
+    dtype: str = "auto"  # target and draft weights: auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 |
+    # bfloat16
     threads: int | None = None  # torch CPU threads (default: torch's)
-    # fp32 CPU targets: the decode kernel streams the target's weights as bf16 or int8 (rounded in place for
-    # prompts too); null = as loaded
-    weights: str | None = None
+    weights: str | None = None  # fp32 CPU targets: the decode kernel streams the target's weights as bf16 or int8
+    # (rounded in place for prompts too); null = as loaded
     allow_target_mismatch: bool = False  # run a draft on a target whose fingerprint is not the one it was
     # trained on (the same model in another format, say); the report states the mismatch
-    progress: bool = True
-    # ours | vllm | ours,vllm: our runtime, vLLM's CPU build (the draft exported on the fly, beside vLLM alone and
-    # vLLM's n-gram drafter), or both on the same conversations
-    engine: str = "ours"
+    progress: bool = True  # progress bars
+    engine: str = "ours"  # ours | vllm | ours,vllm: our runtime, vLLM's CPU build (the draft exported on the
+    # fly, beside vLLM alone and vLLM's n-gram drafter), or both on the same conversations
     vllm_python: str | None = None  # vLLM's interpreter (default: the one scripts/make_vllm_env.sh made)
-
-
-def parse_kv(cls: type, argv: list[str]) -> Any:
-    """`key=value` pairs into the dataclass `cls`; unknown keys and bad values are errors naming them."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    from drafthead.cli import key_values
-
-    pairs = key_values(argv)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(pairs) - known)
-    if unknown:
-        raise ValueError(f"unknown key(s) {unknown}; valid: {sorted(known)}")
-    # 'none' means absent for the optional string keys (draft=none, target=none)
-    argv = [f"{k}=null" if v in NONE_WORDS and k in ("draft", "target", "gguf_file", "heldout", "mode",
-                                                     "max_prompts", "threads", "weights", "vllm_python")
-            else f"{k}={v}"
-            for k, v in pairs.items()]
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(cls), OmegaConf.from_dotlist(argv))
-    except OmegaConfBaseException as e:
-        raise ValueError(f"bad value: {e}".splitlines()[0]) from None
-    return OmegaConf.to_object(merged)
 
 
 ENGINES = ("ours", "vllm")
@@ -271,7 +243,11 @@ def print_summary(r: dict) -> None:
         print(f"WARNING: not lossless: {r['lossless_note']}")
 
 
+def help_text(argv: list[str]) -> str:
+    return options.help_text("drafthead eval key=value ...", __doc__, EvalConfig())
+
+
 def main(argv: list[str]) -> int:
-    cfg = parse_kv(EvalConfig, argv)
+    cfg = options.parse(EvalConfig, argv)
     run_eval(cfg)
     return 0

@@ -148,7 +148,7 @@ def generate_runs(generator: Any, tokenizer: Any, samples: Sequence[EvalSample],
     """Run every turn of every sample once per spec; turn i+1 sees that run's own answer to turn i.
 
     The runs take turns batch by batch, in an order that alternates, so a machine whose speed drifts between
-    minutes (shared VMs did, by up to 2x) slows every run alike and their tokens/s ratio stays fair; one run
+    minutes (a shared VM's can) slows every run alike and their tokens/s ratio stays fair; one run
     after the other put the drift into the speedup. Batches (spec.batch_size, the same for every run) never mix
     categories, so the wall time of each batch belongs to one category and per-category tokens/s is exact.
     """

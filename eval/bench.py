@@ -1,7 +1,7 @@
 """`drafthead bench`: decoding speed of every method on the same prompts and machine, in one run.
 
     drafthead bench draft=runs/NAME/final dataset=mt_bench max_prompts=8 max_new_tokens=128 out=bench.json
-    python scripts/bench_decode.py draft=none target=smollm2-135m-instruct
+    drafthead bench draft=none target=smollm2-135m-instruct
 
 Methods: our AR decoding, HF `generate` greedy, HF prompt-lookup decoding, our n-gram drafter, and our
 runtime with the trained draft (chain of k and tree). All greedy, so every output should equal our AR
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from drafthead import options
 from drafthead.io import atomic_write_json
-from drafthead.eval import check_dtype, load_models, parse_kv, resolve_device
+from drafthead.eval import check_dtype, load_models, resolve_device
 from drafthead.eval.datasets import DATASETS, chat_prompt, load_eval_dataset
 from drafthead.eval.report import machine_info
 
@@ -33,30 +34,31 @@ from drafthead.eval.report import machine_info
 class BenchConfig:
     draft: str | None = None  # <run_dir>/final or none (then the EAGLE rows are skipped)
     target: str | None = None  # default: the draft's config.json target
-    gguf_file: str | None = None
-    dataset: str = "mt_bench"
-    heldout: str | None = None
+    gguf_file: str | None = None  # the .gguf file inside target, when it is a folder or hub id holding several
+    dataset: str = "mt_bench"  # mt_bench | humaneval | sharegpt
+    heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
     max_prompts: int = 8  # first user turn of each
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # new tokens per prompt, at most
     num_draft_tokens: int = 4  # draft depth: chain length, deepest tree path, n-gram proposal
     tree_nodes: int = 8  # tree: draft nodes verified per round
-    topk: int = 4  # tree
-    ngram_n: int = 3
-    prompt_lookup_num_tokens: int = 10  # HF prompt lookup
-    # block drafters: how many of the block's B-1 drafts to verify, one row each (null: 1, 2, 4, .., B-1).
-    # A verify of n tokens costs more than a step as n grows (the curve below), so the best n is measured.
-    block_drafts: list[int] | None = None
-    verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+    topk: int = 4  # tree: children expanded per node
+    ngram_n: int = 3  # n-gram: match length of the prompt lookup
+    prompt_lookup_num_tokens: int = 10  # HF prompt lookup: tokens proposed a step
+    block_drafts: list[int] | None = None  # block drafters: how many of the block's B-1 drafts to verify, one row
+    # each (null: 1, 2, 4, .., B-1). A verify of n tokens costs more than a step as n grows (the curve below), so
+    # the best n is measured.
+    verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])  # tokens
+    # per forward of the verify-cost curve
     verify_prefix: int = 256  # cached prefix length of the verify-cost curve
-    verify_repeats: int = 5
-    device: str = "auto"
-    # auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16; HF generate runs the same weights
-    dtype: str = "auto"
-    threads: int | None = None
+    verify_repeats: int = 5  # timings per point of the curve (the median is kept)
+    device: str = "auto"  # auto = cuda if available, else cpu
+    dtype: str = "auto"  # auto (bf16 where native: CUDA, AMX/AVX512-BF16) | float32 | bfloat16; HF generate runs
+    # the same weights
+    threads: int | None = None  # torch CPU threads (default: torch's)
     weights: str | None = None  # fp32 CPU targets: bf16 | int8 weights in the decode kernel (see drafthead eval)
     out: str | None = None  # bench.json path, or a directory to write bench.json into
     allow_target_mismatch: bool = False  # as in drafthead eval: the mismatch is then stated in bench.json
-    progress: bool = True
+    progress: bool = True  # progress bars
 
 
 def validate(cfg: BenchConfig) -> None:
@@ -451,6 +453,10 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def help_text(argv: list[str]) -> str:
+    return options.help_text("drafthead bench key=value ...", __doc__, BenchConfig())
+
+
 def main(argv: list[str]) -> int:
-    run_bench(parse_kv(BenchConfig, argv))
+    run_bench(options.parse(BenchConfig, argv))
     return 0

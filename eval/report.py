@@ -49,11 +49,9 @@ def machine_info(device: str | torch.device) -> dict:
             **hardware.describe(dev)}
     if dev.type == "cuda" and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(dev)
-    try:
-        import transformers
-        info["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        pass
+    import transformers
+
+    info["transformers"] = transformers.__version__
     return info
 
 

@@ -16,16 +16,14 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from drafthead import hardware  # noqa: E402
-from drafthead.kernels import cpu_linear  # noqa: E402
-from drafthead.eval.bench import read_bandwidth  # noqa: E402
+from drafthead import hardware
+from drafthead.eval.bench import read_bandwidth
+from drafthead.kernels import cpu_linear
 
 DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7,
                 threads=None)

@@ -23,7 +23,7 @@ from drafthead.trainer import data as tdata  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
-    from drafthead.cli import key_values
+    from drafthead.options import key_values
 
     kv = key_values(argv)
     n = int(kv.get("conversations", 32))

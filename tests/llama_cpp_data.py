@@ -101,7 +101,8 @@ def overfit_block_drafts(model_cls: type, cfg: Any, data: Continuations, steps: 
         return d
 
     return overfit_drafts(new_drafter, data, aux, steps, root, "random" if untrained else None,
-                          lambda out: f"block accept {1 + float(out['accept_len'] / out['blocks']):.2f}")
+                          lambda out: "block accept {:.2f}".format(float(out["ratios"]["block_accept_len"][0]
+                                                                         / out["ratios"]["block_accept_len"][1])))
 
 
 def run_block_drafts(bins: Path, data: Continuations, draft: Path, n_predict: int, n_draft: int, threads: int,

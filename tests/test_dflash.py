@@ -155,16 +155,20 @@ def test_anchor_pieces_give_the_loss_and_gradients_of_one_forward(qwen3, labels)
         out["loss"].backward()
         runs.append((out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
     (one, g1), (pieces, g3) = runs
-    assert int(one["blocks"]) > 40 // 4  # dense: more blocks than fit side by side
+    assert int(one["ratios"]["block_accept_len"][1]) > 40 // 4  # dense: more blocks than fit side by side
     torch.testing.assert_close(pieces["loss"], one["loss"], rtol=1e-5, atol=1e-6)
-    for k in ("correct", "count", "accept_len", "cond_correct", "cond_count"):
+    for k in ("correct", "count"):
         assert torch.equal(pieces[k], one[k]), k
+    assert one["ratios"].keys() == pieces["ratios"].keys() == {"block_accept_len", "cond_acc"}
+    for k, (num, den) in one["ratios"].items():
+        assert torch.equal(pieces["ratios"][k][0], num) and torch.equal(pieces["ratios"][k][1], den), k
     assert g1.keys() == g3.keys() and len(g1) > 5
     for n in g1:
         torch.testing.assert_close(g3[n], g1[n], rtol=1e-4, atol=1e-6)
     # the health counts: slot 1 is conditioned on nothing; a later slot on the run before it
-    assert torch.equal(one["cond_count"][0], one["count"][0]) and torch.equal(one["cond_correct"][0], one["correct"][0])
-    assert bool((one["cond_count"] <= one["count"]).all()) and bool((one["cond_correct"] <= one["cond_count"]).all())
+    cond_correct, cond_count = one["ratios"]["cond_acc"]
+    assert torch.equal(cond_count[0], one["count"][0]) and torch.equal(cond_correct[0], one["correct"][0])
+    assert bool((cond_count <= one["count"]).all()) and bool((cond_correct <= cond_count).all())
 
 
 def test_layer_id_conventions_per_engine(qwen3, tiny_qwen3_dir, tmp_path):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from drafthead import hardware
-from drafthead.eval import EvalConfig, parse_kv, validate
+from drafthead import options
+from drafthead.eval import EvalConfig, validate
 from drafthead.eval.acceptance import (Generation, acceptance_length, acceptance_rate_by_position, compare_outputs,
                                       conditional_acceptance_by_position,
                              generate_runs, generate_samples, mean_accepted)
@@ -120,9 +121,9 @@ def test_bad_dataset_and_sizes_are_errors_naming_the_problem(tmp_path):
         validate(EvalConfig(draft=None))
     with pytest.raises(FileNotFoundError, match="not a draft directory"):
         validate(EvalConfig(draft=str(tmp_path)))
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['max_new_token'\]"):
-        parse_kv(EvalConfig, ["draft=none", "max_new_token=5"])
-    cfg = parse_kv(EvalConfig, ["draft=none", "target=t", "max_prompts=2", "temperature=0.7"])
+    with pytest.raises(ValueError, match=r"unknown config key 'max_new_token' \(did you mean 'max_new_tokens'\?\)"):
+        options.parse(EvalConfig, ["draft=none", "max_new_token=5"])
+    cfg = options.parse(EvalConfig, ["draft=none", "target=t", "max_prompts=2", "temperature=0.7"])
     assert cfg.draft is None and cfg.max_prompts == 2 and cfg.temperature == 0.7
 
 

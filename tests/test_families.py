@@ -10,6 +10,7 @@ the same checks. A new family gets them by registering (drafthead.registry.FAMIL
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from drafthead.trainer.config import load_config
 from drafthead.trainer.dist import Dist
 from drafthead.trainer.prepare import build_draft
 
+ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ["llama", "qwen3"]
 # small enough for a tiny target (vocab ~320, 4 layers, hidden 64), in every family's own section
 SMALL = {"eagle3": ["drafter.eagle3.draft_vocab_size=128", "drafter.eagle3.num_draft_tokens=2",
@@ -111,7 +113,13 @@ def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
     assert losses[-1] < losses[0], losses
     res = evaluate(drafter, [batch], ds.head, Dist())  # the held-out eval reads every key the forward returns
     assert 0 <= res["eval/acc_0"] <= 1 and res["eval/sim_accept_len"] >= 1
-    if "conf_error" in out:
+    shared = [p for d in ("trainer", "eval", "drafthead/runtime", "drafthead/export") for p in (ROOT / d).glob("*.py")]
+    shared += [p for p in (ROOT / "drafthead").glob("*.py") if p.stem not in FAMILIES and p.stem != "family"]
+    for name, (num, den) in out.get("ratios", {}).items():  # the family's own metrics, none named by shared code
+        assert f"eval/{name}" in res or f"eval/{name}_0" in res or float(den.sum()) == 0, name
+        named = [p.relative_to(ROOT) for p in shared if f"eval/{name}" in p.read_text() or f'"{name}"' in p.read_text()]
+        assert not named, f"{fam.name}'s metric {name!r} is named in shared code: {named}"
+    if "confidence_error" in out.get("ratios", {}):
         assert 0 <= res["eval/confidence_error"] <= 1
     drafter.load_state_dict(before)  # the other checks start from the built drafter
 

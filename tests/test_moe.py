@@ -11,7 +11,7 @@ from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from drafthead.runtime import SpecConfig, SpeculativeGenerator, TargetModel
-from drafthead.runtime import ops
+from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
 from drafthead.target import Target, freeze
 from test_dflash import make_drafter
 from test_runtime import EOS, OracleDrafter, random_drafter, random_prompts, reference_greedy

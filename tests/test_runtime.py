@@ -21,7 +21,7 @@ from drafthead.family import OwnLayers
 from drafthead.layers import kv_cache
 from drafthead.kernels import cpu_linear
 from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
-from drafthead.runtime import ops
+from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
 from drafthead.runtime.draft import CHAIN, TREE, ngram_lookup
 from drafthead.runtime.generate import _Request, _Session
 from drafthead.runtime.sampling import probs

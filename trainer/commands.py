@@ -10,17 +10,23 @@ from drafthead.trainer.interrupt import GracefulStop, Interrupted
 from drafthead.trainer.runlock import run_lock_on_rank0
 
 
+def help_text(argv: list[str]) -> str:
+    from drafthead.trainer.config import help_text as recipe_help
+
+    return recipe_help(argv, "capture")
+
+
 def capture(argv: list[str]) -> int:
     """`drafthead capture [recipe=NAME] key=value ...`: offline capture for a recipe (resumable), with the
     features and the stored argmax the recipe's drafter family reads."""
     from drafthead.registry import family
     from drafthead.target import check_layer_ids, load_target
     from drafthead.trainer.capture import capture_offline
-    from drafthead.trainer.config import parse_or_exit
+    from drafthead.trainer.config import load_config
     from drafthead.trainer.dist import Dist
     from drafthead.trainer.prepare import feature_dtype, prepare_samples
 
-    cfg = parse_or_exit(argv)
+    cfg = load_config(argv)  # a bad key or value: a ConfigError, one line from drafthead/cli.py
     fam = family(cfg.drafter.family)
     run_dir = Path(cfg.output_dir)
     out = Path(cfg.capture.dir or run_dir / "capture")

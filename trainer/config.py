@@ -6,17 +6,15 @@ closest valid one.
 """
 from __future__ import annotations
 
-import difflib
 import math
 import sys
-from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
+from dataclasses import dataclass, field, make_dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, ValidationError
 
-from drafthead.cli import key_values
+from drafthead import options
 from drafthead.trainer.data import ANSWER_ENGINES
 from drafthead.hardware import DTYPES
 
@@ -28,7 +26,7 @@ DEFAULT_RECIPE = "eagle3_smollm2"
 @dataclass
 class TargetConfig:
     name_or_path: str = "smollm2-135m-instruct"  # built-in name, HF dir / hub id, or a .gguf path
-    gguf_file: str | None = None
+    gguf_file: str | None = None  # the .gguf file inside name_or_path, when it is a folder or hub id holding several
     dtype: str = "auto"  # auto = bf16 where native (CUDA, AMX / AVX512-BF16 CPUs), fp32 elsewhere
     allow_mismatch: bool = False  # resume a checkpoint written against a target with another fingerprint
     # (the same model in another format, say); the mismatch is still printed
@@ -38,17 +36,18 @@ class TargetConfig:
 
 @dataclass
 class RegenerateConfig:
-    enabled: bool = False
+    enabled: bool = False  # the target answers the training prompts itself (docs/data.md, target-written answers)
     fraction: float = 1.0  # share of training conversations whose answers the target rewrites
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    top_p: float = 1.0
-    batch_size: int = 8
-    max_turns: int = 1
-    # longer first prompts keep their original answers (null = data.max_length - 32)
-    max_prompt_tokens: int | None = None
+    max_new_tokens: int = 512  # longest answer written, in tokens
+    temperature: float = 0.0  # 0 = greedy answers
+    top_p: float = 1.0  # nucleus sampling of the answers when temperature > 0
+    batch_size: int = 8  # conversations answered together
+    max_turns: int = 1  # user turns answered, in order, each with the regenerated history
+    max_prompt_tokens: int | None = None  # longer first prompts keep their original answers (null =
+    # data.max_length - 32)
     heldout: bool = False  # also answer the held-out prompts with the target: held-out accuracy then scores
     # what drafting meets at inference (the target's own text) instead of the dataset's answers
+
     # who answers: vllm (vLLM's offline batched engine, scripts/make_vllm_env.sh) | ours (our batched AR loop) |
     # hf (transformers generate) | auto (ours where it runs the architecture, else vLLM where it works, else hf)
     engine: str = "auto"
@@ -59,10 +58,10 @@ class RegenerateConfig:
 class DataConfig:
     dataset: str = "sharegpt"  # built-in name or a .json/.jsonl path (ShareGPT or OpenAI messages)
     max_samples: int | None = None  # cap on training conversations (null = all); num_holdout more are read
-    max_length: int = 1024
+    max_length: int = 1024  # tokens per training conversation (longer ones: see overlong)
     overlong: str = "truncate"  # truncate | skip
     num_holdout: int = 64  # held-out conversations for eval (fixed seed)
-    split_seed: int = 1234
+    split_seed: int = 1234  # seed of the train / held-out split
     chat_template: str | None = None  # override the tokenizer's template (Jinja string)
     enable_thinking: bool | None = None  # Qwen3 templates
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
@@ -83,7 +82,8 @@ def _drafter_config() -> type:
     from drafthead.registry import FAMILIES
 
     sections = [(name, fam.options, field(default_factory=fam.options)) for name, fam in FAMILIES.items()]
-    return make_dataclass("DrafterConfig", [("family", str, field(default=next(iter(FAMILIES)))), *sections])
+    family = field(default=next(iter(FAMILIES)), metadata={"help": f"the drafter family: {' | '.join(FAMILIES)}"})
+    return make_dataclass("DrafterConfig", [("family", str, family), *sections])
 
 
 DrafterConfig = _drafter_config()
@@ -95,17 +95,17 @@ class TrainConfig:
     max_steps: int | None = None  # null = by epochs
     batch_size: int = 1  # conversations per micro-batch per rank
     batch_tokens: int | None = None  # if set, micro-batches are packed up to this many (padded) tokens
-    grad_accum: int = 1
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.015
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-4  # AdamW peak learning rate
+    min_lr_ratio: float = 0.0  # the cosine schedule ends at lr * this
+    warmup_ratio: float = 0.015  # share of the steps spent warming up linearly
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 0.5  # max gradient norm (0 = off)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     dtype: str = "auto"  # auto = bf16 where native (CUDA, AMX / AVX512-BF16 CPUs), fp32 elsewhere
     deepspeed: str | None = None  # null, a name under recipes/deepspeed/ (e.g. zero2) or a path
     save_every: int = 500  # steps
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # newest checkpoints kept (older ones are deleted after each save)
     eval_every: int = 200  # steps; 0 = only at the end
     eval_samples: int | None = None  # held-out conversations per eval (null = all held out)
     resume: str = "auto"  # auto | true | false
@@ -120,23 +120,23 @@ class BudgetConfig:
     # this machine first and fills data.max_samples / train.epochs where they are null (trainer/budget.py)
     max_passes: float = 4.0  # most passes over captured data a plan makes (the held-out curve flattens in the 4th)
     probe_samples: int = 512  # conversations tokenized by the probe: tokens per sample and usable share
-    # (96 misjudged the default's data by 10%; tokenizing 512 takes ~1.5 s)
+    # (a few hundred: ShareGPT's lengths vary too much for fewer to estimate them)
     probe_batches: int = 3  # batches timed per phase (after one warm-up)
 
 
 @dataclass
 class LoggingConfig:
     wandb: bool = True  # offline unless WANDB_API_KEY is set
-    project: str = "drafthead"
-    log_every: int = 10
-    progress: bool = True
+    project: str = "drafthead"  # the wandb project
+    log_every: int = 10  # steps between metric lines (metrics.jsonl, wandb)
+    progress: bool = True  # progress bars
 
 
 @dataclass
 class RunConfig:
-    recipe: str = DEFAULT_RECIPE
+    recipe: str = DEFAULT_RECIPE  # a name under recipes/ or a .yaml path (a run's config.yaml resumes it)
     output_dir: str | None = None  # null = runs/<recipe>
-    seed: int = 0
+    seed: int = 0  # seeds the draft's init, the batch order and sampling
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
@@ -148,30 +148,6 @@ class RunConfig:
 
 class ConfigError(ValueError):
     pass
-
-
-def _all_keys(cls: type, prefix: str = "") -> list[str]:
-    out = []
-    for f in fields(cls):
-        key = prefix + f.name
-        out.append(key)
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        if is_dataclass(default):
-            out += _all_keys(type(default), key + ".")
-    return out
-
-
-def _closest(key: str) -> str:
-    keys = _all_keys(RunConfig)
-    leaf = key.rsplit(".", 1)[-1]
-    # the same leaf one level down first: 'drafter.init' -> 'drafter.<family>.init'
-    hit = [k for k in keys if k.startswith(key.rsplit(".", 1)[0] + ".") and k.rsplit(".", 1)[-1] == leaf][:1]
-    hit = hit or difflib.get_close_matches(key, keys, n=1, cutoff=0.4)
-    if not hit:  # try the leaf name alone (e.g. 'max_step' -> 'train.max_steps')
-        leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
-        m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.6)
-        hit = [leaves[m[0]]] if m else []
-    return f" (did you mean '{hit[0]}'?)" if hit else ""
 
 
 def recipe_path(name: str) -> Path:
@@ -187,26 +163,26 @@ def recipe_path(name: str) -> Path:
 
 def load_config(argv: list[str] | None = None) -> RunConfig:
     """Defaults <- recipes/<recipe>.yaml <- `key=value` overrides; strict about unknown keys."""
-    pairs = key_values(list(argv or []), ConfigError)
+    pairs = options.key_values(list(argv or []), ConfigError)
     recipe = pairs.pop("recipe", DEFAULT_RECIPE)
-    rest = [f"{k}={v}" for k, v in pairs.items()]
-    schema = OmegaConf.structured(RunConfig)
-    OmegaConf.set_struct(schema, True)
-    try:
-        file_cfg = OmegaConf.load(recipe_path(recipe))
-        merged = OmegaConf.merge(schema, file_cfg, OmegaConf.from_dotlist(rest))
-    except (ConfigKeyError, ValidationError) as e:
-        key = getattr(e, "full_key", None) or str(e)
-        msg = str(e).splitlines()[0]
-        if isinstance(e, ConfigKeyError):
-            raise ConfigError(f"unknown config key '{key}'{_closest(str(key))}") from None
-        raise ConfigError(f"bad value for '{key}': {msg}") from None
+    file_cfg = OmegaConf.load(recipe_path(recipe))
+    cfg: RunConfig = options.parse(RunConfig, pairs, ConfigError, layers=(file_cfg,))
     if not (recipe.endswith((".yaml", ".yml")) and "recipe" in file_cfg):  # a run's config.yaml keeps its name
-        merged.recipe = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
-    cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        cfg.recipe = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
     cfg.output_dir = cfg.output_dir or f"runs/{cfg.recipe}"
     validate(cfg)
     return cfg
+
+
+def help_text(argv: list[str], command: str = "train") -> str:
+    """Every option with the value the recipe named in `argv` (default: the embedded default) gives it."""
+    pairs = options.key_values(list(argv), ConfigError)
+    cfg = options.parse(RunConfig, {k: v for k, v in pairs.items() if k != "recipe"}, ConfigError,
+                        layers=(OmegaConf.load(recipe_path(pairs.get("recipe", DEFAULT_RECIPE))),))
+    recipes = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+    return options.help_text(f"drafthead {command} [recipe=NAME] key.sub=value ...", __doc__, cfg,
+                             f"values shown: recipe={pairs.get('recipe', DEFAULT_RECIPE)} with the keys given. "
+                             f"Recipes: {', '.join(recipes)}, or a .yaml path.")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -37,7 +37,8 @@ def measure_rates(samples: list[dict], batch_size: int, batches: int, features: 
     """Time capture, a training step and an eval forward on `batches` batches of real samples, and one
     checkpoint save. Batches are length-grouped like the trainer's and spread over the length range, since
     short and long conversations cost differently per token. Training gets two warm-up steps: the first
-    two allocate the optimizer state and the autocast caches (one warm-up under-read the rate by ~30%)."""
+    two allocate the optimizer state and the autocast caches, so timing the second would still under-read
+    the rate."""
     pool = sorted(samples, key=lambda s: len(s["input_ids"]))
     groups = [pool[i: i + batch_size] for i in range(0, len(pool), batch_size)]
     n = batches + 2
@@ -82,8 +83,8 @@ def refit_after_capture(plan: Plan | None, cfg: Any, d: Any, run_dir: Path, elap
 
 class StepClock:
     """Re-fits the step count from the loop's own rate at STEP_REFIT_AT of the plan, with the schedule
-    rebuilt on the new total. Why: the probe's few steps can read the train rate high (a block drafter's run
-    ended 10% over budget on the probe's rate: docs/experiment_log.md), and only the loop sees the rate of a
+    rebuilt on the new total. Why: the probe's few steps can read the train rate high (block drafters' steps vary
+    with their anchors), and only the loop sees the rate of a
     whole run: all lengths, a warm heap, evals and checkpoints. Refits are stored in plan.json,
     so a resumed run keeps the total; only a run that started at step 0 measures (its clock is the run's)."""
 

@@ -157,6 +157,8 @@ def train(job: Job) -> Path:
     feats = features(job, target, prep, drafter.capture_layer_ids(), fam.reduced_vocab)
     phases["capture"] = job.elapsed() - sum(phases.values())
     plan = refit_after_capture(plan, cfg, d, run_dir, job.elapsed(), len(feats.lengths), sum(feats.lengths), log)
+    if d.main and plan is not None and plan.refit is not None:  # config.yaml records the passes the run uses
+        atomic_write_bytes(run_dir / "config.yaml", to_yaml(cfg).encode())
 
     # --- engine: plain / DDP / DeepSpeed ---------------------------------------------------------
     per_epoch = len(epoch_batches(feats.lengths, cfg.train.batch_size, cfg.seed, 0, d.dp, d.dp_rank,
@@ -278,6 +280,7 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
     from tqdm import tqdm
 
     cfg, d, log = job.cfg, job.d, job.log
+    fam = family(cfg.drafter.family)
     step = state.pop("step")
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (d.main and cfg.logging.progress),
                dynamic_ncols=True)
@@ -325,12 +328,9 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
                                            or step == total_steps):
                     last_eval = evaluate(engine.module, feats.eval_batches, head, d)
                     logger.log({"step": step, **last_eval, "wall_s": round(job.elapsed(), 1)})
-                    block = last_eval.get("eval/block_accept_len")  # block drafters measure it per block
-                    cond = last_eval.get("eval/cond_acc_1")  # and how well slot 2 builds on slot 1
-                    log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, "
-                        + (f"block accept len {block:.2f}" if block is not None else
-                           f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
-                        + (f", P(slot 2 | slot 1) {cond:.3f}" if cond is not None else ""))
+                    said = (fam.eval_summary(last_eval) if fam.eval_summary else
+                            f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
+                    log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, {said}")
                     heap_cap.trim()
                     clock.spent("eval", time.perf_counter() - t_side)
                 t_side = time.perf_counter()

@@ -120,25 +120,21 @@ def autocast(dtype: str, device: torch.device, engine_kind: str):
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: TargetHead, d: Dist
              ) -> dict[str, float]:
+    """Held-out acc_k, loss and the simulated accept length, plus every ratio the drafter returns (`Drafter`:
+    `ratios`, summed over batches and ranks before dividing)."""
     was = model.training
     model.eval()
     correct = count = loss = None
-    blocks = torch.zeros(2, dtype=torch.float64)  # accepted prefix, blocks (families that draft blocks)
-    cond = None  # [2, K] slot k right with every slot before it right, and blocks with slots < k right
-    conf = torch.zeros(2, dtype=torch.float64)  # |confidence - soft acceptance label| summed, drafts (DSpark)
+    ratios: dict[str, torch.Tensor] = {}  # name -> [2, ...] numerator, denominator
     nb = 0
     for batch in batches:
         out = model(**drafter_inputs(batch, head))
         correct = out["correct"] if correct is None else correct + out["correct"]
         count = out["count"] if count is None else count + out["count"]
         loss = out["loss"].detach() if loss is None else loss + out["loss"].detach()
-        if "accept_len" in out:
-            blocks += torch.tensor([float(out["accept_len"]), float(out["blocks"])], dtype=torch.float64)
-        if "cond_correct" in out:
-            got = torch.stack([out["cond_correct"], out["cond_count"]]).double().cpu()
-            cond = got if cond is None else cond + got
-        if "conf_error" in out:
-            conf += torch.tensor([float(out["conf_error"]), float(out["conf_count"])], dtype=torch.float64)
+        for name, (num, den) in out.get("ratios", {}).items():
+            got = torch.stack([num.detach(), den.detach()]).double().cpu()
+            ratios[name] = got if name not in ratios else ratios[name] + got
         nb += 1
     model.train(was)
     if correct is None:
@@ -152,13 +148,12 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
     res = {f"eval/acc_{i}": a for i, a in enumerate(acc)}
     res["eval/loss"] = float(all_reduce_data(loss, d)) / (nb * d.dp)
     res["eval/sim_accept_len"] = sim  # 1 (bonus token) + sum_k prod_{i<=k} acc_i
-    if blocks[1] > 0:  # measured per block: 1 (bonus) + the run of greedy-correct slots
-        blocks = all_reduce_data(blocks, d)
-        res["eval/block_accept_len"] = 1.0 + float(blocks[0] / blocks[1].clamp(min=1))
-    if cond is not None:  # a block drafter's health: P(slot k right | slots < k right), slot 1 first
-        cond = all_reduce_data(cond, d)
-        res.update({f"eval/cond_acc_{i}": float(c / n) if n > 0 else 0.0 for i, (c, n) in enumerate(cond.T.tolist())})
-    if conf[1] > 0:  # a drafter that predicts its own acceptance: how far off, on average
-        conf = all_reduce_data(conf, d)
-        res["eval/confidence_error"] = float(conf[0] / conf[1])
+    for name, got in ratios.items():
+        num, den = all_reduce_data(got, d)
+        if num.dim() == 0:  # a scalar with nothing counted is left out, not reported as 0
+            if den > 0:
+                res[f"eval/{name}"] = float(num / den)
+        else:
+            res.update({f"eval/{name}_{i}": n / c if c > 0 else 0.0 for i, (n, c) in enumerate(zip(num.tolist(),
+                                                                                             den.tolist()))})
     return res

@@ -12,11 +12,15 @@ nothing at `out`. docs/export.md lists the formats per family and the engines ea
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from drafthead import options as opts
 
 from drafthead.export.common import ExportError
 from drafthead.family import Family, resolve
@@ -90,29 +94,50 @@ def export(draft_dir: str | os.PathLike | LoadedDraft, to: str, out: str | os.Pa
     return resolve(spec)(draft, out, target=target, **{k: v for k, v in kw.items() if v is not None})
 
 
+@dataclass
+class ExportConfig:
+    """`drafthead export`'s options; each format takes the fixed five and those of its own it names (`formats`)."""
+
+    draft: str | None = None  # the trained draft's folder (<run_dir>/final)
+    to: str | None = None  # the format; the draft's family names its own (listed below)
+    out: str | None = None  # the file or folder to write (atomically: nothing there after an error)
+    target: str | None = None  # the target to check the draft against and read from (default: the draft's own)
+    allow_target_mismatch: bool = False  # export for a target whose fingerprint is not the one the draft was
+    # trained on (the same model in another format, say); the mismatch is still printed
+    outtype: str | None = None  # the weights' type in the file: f32 | f16 | bf16 (| q8_0 for GGUF); default: as
+    # trained, or the format's own
+    verifier: str | None = None  # speculators: the verifier the config names (default: the target's public id);
+    # offline, a local HF directory of the target
+    num_draft_tokens: int | None = None  # speculators (EAGLE3): the draft length the config proposes (default 3)
+    store_embedding: bool | None = None  # speculators (EAGLE3): also write the target's token embedding (false)
+
+
+FORMAT_OPTIONS = [f.name for f in dataclasses.fields(ExportConfig)][5:]
+
+
+def help_text(argv: list[str]) -> str:
+    per_family = "\n".join(f"  {name}: " + ", ".join(f"to={fmt}" + (f" [{' '.join(options(spec))}]" if options(spec)
+                                                                   else "") for fmt, spec in fam.exporters.items())
+                           for name, fam in FAMILIES.items())
+    return opts.help_text("drafthead export draft=DIR to=FORMAT out=PATH [key=value ...]", __doc__, ExportConfig(),
+                          f"formats by family [the options each takes]:\n{per_family}")
+
+
 def main(argv: list[str]) -> int:
     """`drafthead export draft=DIR to=FORMAT out=PATH [target=..] [option=value ...]`."""
-    from omegaconf import OmegaConf
-
-    from drafthead.cli import key_values
-
-    pairs = key_values(list(argv), ExportError)
-    args = OmegaConf.to_container(OmegaConf.from_dotlist([f"{k}={v}" for k, v in pairs.items()]))
-    missing = [k for k in ("draft", "to", "out") if args.get(k) in (None, "")]
+    pairs = opts.key_values(list(argv), ExportError)
+    cfg: ExportConfig = opts.parse(ExportConfig, pairs, ExportError)
+    missing = [k for k in ("draft", "to", "out") if getattr(cfg, k) in (None, "")]
     if missing:
         per_family = "; ".join(f"{name}: {'|'.join(fam.exporters)}" for name, fam in FAMILIES.items())
         raise ExportError(f"missing {', '.join(k + '=' for k in missing)}; usage: drafthead export draft=DIR "
                           f"to=FORMAT out=PATH [target=NAME_OR_PATH] [option=value ...] (formats by family: "
                           f"{per_family})")
-    draft, to, out, target = (args.pop(k, None) for k in ("draft", "to", "out", "target"))
-    allow = args.pop("allow_target_mismatch", False)
-    if not isinstance(allow, bool):
-        raise ExportError(f"allow_target_mismatch={allow!r}: use true or false")
-    kw = {k: (str(v) if k in ("outtype", "verifier") else v) for k, v in args.items()}
-    path = export(str(draft), str(to), str(out), target=None if target is None else str(target),
-                  allow_target_mismatch=allow, **kw)
-    print(f"exported {draft} as {to} to {path}")
+    kw = {k: getattr(cfg, k) for k in FORMAT_OPTIONS if k in pairs}  # only those given: each format's defaults
+    path = export(str(cfg.draft), str(cfg.to), str(cfg.out), target=cfg.target,
+                  allow_target_mismatch=cfg.allow_target_mismatch, **kw)
+    print(f"exported {cfg.draft} as {cfg.to} to {path}")
     return 0
 
 
-__all__ = ["ExportError", "export", "formats", "main"]
+__all__ = ["ExportConfig", "ExportError", "export", "formats", "help_text", "main"]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from drafthead.kernels import cpu_linear
-from drafthead.runtime import ops
+from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
 from drafthead.runtime.draft import Proposal, chain_proposal, merge_ngram, ngram_lookup
 from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import greedy, probs, sample

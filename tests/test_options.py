@@ -1,0 +1,116 @@
+"""One command line: every command's options parsed by `drafthead.options` from its typed config, `--help` listing
+each option with its default and doc, unknown keys named with the nearest known one."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from drafthead import options
+from drafthead.cli import COMMANDS, main
+
+
+@dataclass
+class Layouts:
+    a: int = 1  # a's doc
+    # which continues here
+    b: int = 2  # b's doc
+
+    # b2's doc, above it
+    b2: str | None = None
+    c: int = 3  # c's doc
+    d: int = 4  # d's doc
+    e: float = field(default=0.5, metadata={"help": "e's doc, declared"})
+
+
+@dataclass
+class Ambiguous:
+    a: int = 1  # a's doc
+    # a's, or b's?
+    b: int = 2
+
+
+def test_docs_come_from_the_comments_beside_or_above_each_option():
+    docs = options.field_docs(Layouts)
+    assert docs == {"a": "a's doc which continues here", "b": "b's doc", "b2": "b2's doc, above it", "c": "c's doc",
+                    "d": "d's doc", "e": "e's doc, declared"}
+    with pytest.raises(options.DocLayoutError, match=r"the comment above 'b' .* may be 'a''s continued"):
+        options.field_docs(Ambiguous)
+
+
+def test_parse_types_values_unsets_optionals_and_names_the_nearest_key():
+    cfg = options.parse(Layouts, ["a=7", "b2=none", "e=0.25"])
+    assert (cfg.a, cfg.b2, cfg.e) == (7, None, 0.25)
+    with pytest.raises(ValueError, match=r"unknown config key 'cc' \(did you mean 'c'\?\)"):
+        options.parse(Layouts, ["cc=1"])
+    with pytest.raises(ValueError, match=r"bad value for 'a'"):
+        options.parse(Layouts, ["a=seven"])
+    with pytest.raises(ValueError, match=r"arguments must be key=value \(or --help\), got \['a'\]"):
+        options.parse(Layouts, ["a"])
+
+
+def test_every_option_of_every_command_has_a_doc():
+    from drafthead.eval import EvalConfig
+    from drafthead.eval.bench import BenchConfig
+    from drafthead.export import ExportConfig
+    from drafthead.trainer.config import RunConfig
+
+    for cls in (RunConfig, EvalConfig, BenchConfig, ExportConfig):
+        undocumented = [o.key for o in options.options(cls) if not o.doc]
+        assert not undocumented, f"{cls.__name__}: options without a doc: {undocumented}"
+
+
+@pytest.mark.parametrize("cmd", sorted(COMMANDS))
+def test_every_command_has_help_listing_its_options(cmd, capsys):
+    from drafthead.eval import EvalConfig
+    from drafthead.eval.bench import BenchConfig
+    from drafthead.export import ExportConfig
+    from drafthead.trainer.config import load_config
+
+    assert main([cmd, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: drafthead {cmd} ")
+    cfg = {"train": load_config([]), "capture": load_config([]), "eval": EvalConfig(), "bench": BenchConfig(),
+           "export": ExportConfig()}[cmd]
+    lines = out.splitlines()
+    for o in options.options(cfg):
+        head = f"  {o.key}={options.shown(o.value)}"
+        row = next((i for i, line in enumerate(lines) if line == head or line.startswith(head + " ")), None)
+        assert row is not None, f"{cmd} --help does not list {head.strip()}"
+        doc = " ".join(lines[row][len(head):].split()) or " ".join(lines[row + 1].split())  # a long key: doc below
+        assert doc == o.doc, (o.key, doc)
+
+
+def test_help_shows_the_recipes_values_and_the_top_level_lists_commands(capsys):
+    assert main(["train", "recipe=mtp_smollm2", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "drafter.family=mtp " in out and "values shown: recipe=mtp_smollm2" in out
+    assert main(["export", "-h"]) == 0
+    assert "eagle3: to=sglang [outtype], to=speculators [outtype num_draft_tokens verifier store_embedding]" in \
+        capsys.readouterr().out
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, c in COMMANDS.items():
+        assert f"  {name}" in out and c.summary and c.summary in out
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["eval", "max_new_token=5"], "unknown config key 'max_new_token' (did you mean 'max_new_tokens'?)"),
+    (["bench", "verify_size=[1]"], "unknown config key 'verify_size' (did you mean 'verify_sizes'?)"),
+    (["export", "outype=f16"], "unknown config key 'outype' (did you mean 'outtype'?)"),
+    (["capture", "capture.shard_sample=3"], "unknown config key 'capture.shard_sample' (did you mean "
+                                             "'capture.shard_samples'?)"),
+])
+def test_unknown_keys_name_the_nearest_known_one(argv, said, capsys):
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_every_exporter_option_is_a_documented_export_option():
+    from drafthead.export import FORMAT_OPTIONS
+    from drafthead.export import options as exporter_options
+    from drafthead.registry import FAMILIES
+
+    for fam in FAMILIES.values():
+        for fmt, spec in fam.exporters.items():
+            assert set(exporter_options(spec)) <= set(FORMAT_OPTIONS), (fam.name, fmt, exporter_options(spec))
