@@ -72,11 +72,14 @@ def overfit_drafts(new_drafter: Callable[[], Any], data: Continuations, aux: tor
     for name, n in steps.items():
         d = new_drafter()
         opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)  # 3e-3 stalls (loss ~3.7)
-        for _ in range(n):
+        for i in range(n):
             out = d(data.input_ids, aux, data.teacher, data.argmax, data.loss_mask)
             opt.zero_grad()
             out["loss"].backward()
             opt.step()
+            if (i + 1) % 25 == 0 and i + 1 < n:  # how fast it gets there (pytest -s)
+                print(f"[{time.perf_counter() - t0:.0f}s] {name}: step {i + 1}, loss {out['loss'].item():.3f}, "
+                      f"{summary(out)}")
         drafters[name] = d.eval()
         print(f"[{time.perf_counter() - t0:.0f}s] {name}: {n} steps, loss {out['loss'].item():.3f}, {summary(out)}")
     files = {name: export(save_draft(d, root / name, data.target.info()), "gguf", root / f"{name}.gguf")

@@ -327,18 +327,28 @@ def test_signal_during_a_long_shard_drops_it_and_stops_promptly(tiny_llama_dir, 
     assert [s["sha256"] for s in resumed["shards"]] == [s["sha256"] for s in clean["shards"]]
 
 
+SIGNAL_STEPS = 300
+SIGNAL_OVER = {"train.max_steps": SIGNAL_STEPS, "train.save_every": 10, "train.keep_checkpoints": 1}
+SIGNAL_ENV = {"DRAFTHEAD_MALLOC_RETAIN": "0"}
+
+
+@pytest.fixture(scope="module")
+def never_stopped(tiny_llama_dir, tiny_sharegpt, tmp_path_factory) -> Path:
+    """The signalled runs' reference: the same command, never stopped (one for both signals)."""
+    ref = tmp_path_factory.mktemp("signals") / "ref"  # in a process of its own too: the suite's thread count
+    r = subprocess.run([sys.executable, "train.py", *args(ref, tiny_llama_dir, tiny_sharegpt, **SIGNAL_OVER)],
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, **SIGNAL_ENV}, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return ref
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_real_process_signalled_mid_training_resumes_bit_identical(sig, tiny_llama_dir, tiny_sharegpt, tmp_path):
+def test_real_process_signalled_mid_training_resumes_bit_identical(sig, tiny_llama_dir, tiny_sharegpt, tmp_path,
+                                                                   never_stopped):
     """`python train.py` as a scheduler sees it: SIGTERM gets a checkpoint at the step in flight and exit 143;
     SIGKILL loses the steps since the last checkpoint. Either way the same command ends equal to a run that
     was never stopped, with each step's metrics once."""
-    steps = 300
-    over = {"train.max_steps": steps, "train.save_every": 10, "train.keep_checkpoints": 1}
-    env = {**os.environ, "DRAFTHEAD_MALLOC_RETAIN": "0"}
-    ref = tmp_path / "ref"  # in a process of its own too: the torch thread count of this one is the suite's
-    r = subprocess.run([sys.executable, "train.py", *args(ref, tiny_llama_dir, tiny_sharegpt, **over)], cwd=ROOT,
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr
+    steps, over, env, ref = SIGNAL_STEPS, SIGNAL_OVER, {**os.environ, **SIGNAL_ENV}, never_stopped
     run = tmp_path / "run"
     cmd = [sys.executable, "train.py", *args(run, tiny_llama_dir, tiny_sharegpt, **over)]
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
