@@ -25,7 +25,7 @@ COMMANDS: dict[str, Command] = {
                      "train a draft for a target (recipe=NAME key.sub=value ...; torchrun for several ranks)"),
     "capture": Command("drafthead.trainer.commands:capture", "drafthead.trainer.commands:help_text",
                        "capture a recipe's target features offline, resumable, for capture.mode=offline"),
-    "eval": Command("drafthead.eval:main", "drafthead.eval:help_text",
+    "eval": Command("drafthead.eval.command:main", "drafthead.eval.command:help_text",
                     "tau, acceptance by position, speedup and losslessness of a draft, in our runtime and vLLM"),
     "bench": Command("drafthead.eval.bench:main", "drafthead.eval.bench:help_text",
                      "decoding speed of every method (ours, HF, n-gram, prompt lookup, the draft) and verify cost"),

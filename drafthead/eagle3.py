@@ -375,7 +375,7 @@ FAMILY = Family(
     exporters={"sglang": "drafthead.export.eagle3:to_sglang", "speculators": "drafthead.export.eagle3:to_speculators",
                "gguf": "drafthead.export.eagle3:to_gguf"},
     readers={"sglang": "drafthead.export.eagle3:read_back", "speculators": "drafthead.export.eagle3:read_back",
-             "gguf": "drafthead.export.gguf:read_back"},
+             "gguf": "drafthead.export.eagle3_gguf:read_back"},
     renamed_keys={"ttt_steps": "num_draft_tokens"},
     vllm={"sglang": "eagle3", "speculators": "eagle3"},
 )

@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from drafthead import options
 from drafthead.io import atomic_write_json
-from drafthead.eval import check_dtype, load_models, resolve_device
+from drafthead.eval.models import load_models, resolve_device
+from drafthead.hardware import check_dtype
 from drafthead.eval.datasets import DATASETS, chat_prompt, load_eval_dataset
 from drafthead.eval.report import machine_info
 

@@ -283,7 +283,9 @@ def evaluate(python: Path, target: Any, conversations: list[list[str]], draft: s
     if draft is not None:
         fmt, method = check_family(family)
         extra = {"verifier": str(model)} if fmt == "speculators" else {}
-        exported = export(draft, fmt, out / "vllm_draft" / fmt, **extra)
+        # the draft in the dtype vLLM runs both models in here, as our runtime runs it
+        outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[str(dtype).removeprefix("torch.")]
+        exported = export(draft, fmt, out / "vllm_draft" / fmt, outtype=outtype, **extra)
         runs["draft"] = run(python, model, None, max_new_tokens, f"draft ({fmt})",
                             spec=speculative_config(method, exported, k), **common)
     runs["ngram"] = run(python, model, None, max_new_tokens, "ngram", spec=ngram_config(k, ngram_n), **common)

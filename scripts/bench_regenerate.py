@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from drafthead.hardware import cpu_class  # noqa: E402
 from drafthead.target import load_target  # noqa: E402
 from drafthead.trainer import data as tdata  # noqa: E402
+from drafthead.trainer import regenerate as tregen  # noqa: E402
 
 
 def main(argv: list[str]) -> None:
@@ -39,11 +40,11 @@ def main(argv: list[str]) -> None:
     first = None
     for engine in engines:
         for b in batches:
-            opts = tdata.AnswerOptions(max_new_tokens=new, batch_size=b, engine=engine,
+            opts = tregen.AnswerOptions(max_new_tokens=new, batch_size=b, engine=engine,
                                        max_prompt_tokens=1024 - 32)
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
-                got = tdata.regenerate(target, convs, str(Path(tmp) / "r.jsonl"), opts)
+                got = tregen.regenerate(target, convs, str(Path(tmp) / "r.jsonl"), opts)
                 took = time.perf_counter() - t0
             answers = [c.messages[-1]["content"] for c in got]
             tokens = sum(len(target.tokenizer(a, add_special_tokens=False).input_ids) for a in answers)

@@ -13,6 +13,7 @@ import torch
 from drafthead.runtime.generate import SpeculativeGenerator
 
 from drafthead.trainer import data as tdata
+from drafthead.trainer import regenerate as tregen
 from drafthead.trainer.data import Conversation
 
 TEMPLATES = Path(__file__).parent / "assets" / "chat_templates"
@@ -316,7 +317,7 @@ def test_tokenize_cache_roundtrip(tmp_path, monkeypatch):
         raise AssertionError("cache hit expected")
 
     with monkeypatch.context() as m:
-        m.setattr(tdata, "_render", no_render)
+        m.setattr(tdata, "render_chat", no_render)
         again, stats2 = tdata.tokenize_conversations(tok, convs, max_length=30, cache_key="tiny")
     assert again == samples and stats2 == stats
     # a change of content under the same ids (regenerated data) or of max_length is a new entry
@@ -352,9 +353,9 @@ def tiny_target():
     return freeze(Target(LlamaForCausalLM(cfg).eval(), tok, "tiny"))
 
 
-def two_turns(batch_size: int) -> "tdata.AnswerOptions":
+def two_turns(batch_size: int) -> "tregen.AnswerOptions":
     """Six new tokens a turn, two turns: short answers to compare batchings and paths."""
-    return tdata.AnswerOptions(max_new_tokens=6, batch_size=batch_size, max_turns=2, engine="ours")
+    return tregen.AnswerOptions(max_new_tokens=6, batch_size=batch_size, max_turns=2, engine="ours")
 
 
 def regen_convs() -> list[Conversation]:
@@ -370,8 +371,8 @@ def regen_convs() -> list[Conversation]:
 
 def test_regenerate_left_padding_matches_unbatched(tmp_path):
     target, convs = tiny_target(), regen_convs()
-    a = tdata.regenerate(target, convs, str(tmp_path / "a.jsonl"), two_turns(4))
-    b = tdata.regenerate(target, convs, str(tmp_path / "b.jsonl"), two_turns(1))
+    a = tregen.regenerate(target, convs, str(tmp_path / "a.jsonl"), two_turns(4))
+    b = tregen.regenerate(target, convs, str(tmp_path / "b.jsonl"), two_turns(1))
     assert a == b and [c.id for c in a] == [c.id for c in convs]
     for src, new in zip(convs, a):
         users = [m for m in src.messages if m["role"] == "user"][:2]
@@ -383,7 +384,7 @@ def test_regenerate_left_padding_matches_unbatched(tmp_path):
 
 def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, capsys):
     target, convs = tiny_target(), regen_convs()
-    ref = tdata.regenerate(target, convs, str(tmp_path / "ref.jsonl"), two_turns(2))
+    ref = tregen.regenerate(target, convs, str(tmp_path / "ref.jsonl"), two_turns(2))
     ref_by_id = {c.id: c for c in ref}
 
     # kill 1: the run dies inside the third generate call (2nd batch): only batch 1 is on disk
@@ -398,7 +399,7 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
 
     monkeypatch.setattr(SpeculativeGenerator, "generate", dying_generate)
     with pytest.raises(KeyboardInterrupt):
-        tdata.regenerate(target, convs, str(out), two_turns(2))
+        tregen.regenerate(target, convs, str(out), two_turns(2))
     first = tdata.read_jsonl(out)
     assert len(first) == 2
 
@@ -407,7 +408,7 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
         f.write(json.dumps({"id": convs[-1].id, "messages": ref_by_id[convs[-1].id].messages}).encode()[:25])
     monkeypatch.setattr(SpeculativeGenerator, "generate", real_generate)
     capsys.readouterr()
-    got = tdata.regenerate(target, convs, str(out), two_turns(2))
+    got = tregen.regenerate(target, convs, str(out), two_turns(2))
     assert "dropped a partial last line" in capsys.readouterr().out
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["id"] for r in lines) == sorted(c.id for c in convs)  # nothing lost, nothing twice
@@ -416,7 +417,7 @@ def test_regenerate_resume_loses_and_duplicates_nothing(tmp_path, monkeypatch, c
 
     # a finished file: nothing left to generate
     monkeypatch.setattr(SpeculativeGenerator, "generate", lambda *a, **k: pytest.fail("nothing should be generated"))
-    assert tdata.regenerate(target, convs, str(out), two_turns(2)) == ref
+    assert tregen.regenerate(target, convs, str(out), two_turns(2)) == ref
 
 
 def test_regenerate_runtime_matches_hf_generate(tmp_path, monkeypatch, capsys):
@@ -424,29 +425,29 @@ def test_regenerate_runtime_matches_hf_generate(tmp_path, monkeypatch, capsys):
     ones HF `generate` gives (the fallback for other architectures, and what engine=auto takes when neither vLLM
     nor our runtime can answer)."""
     target, convs = tiny_target(), regen_convs()
-    ours = tdata.regenerate(target, convs, str(tmp_path / "ours.jsonl"), two_turns(3))
+    ours = tregen.regenerate(target, convs, str(tmp_path / "ours.jsonl"), two_turns(3))
     monkeypatch.setattr(SpeculativeGenerator, "generate", lambda *a, **k: pytest.fail("HF path expected"))
-    hf = tdata.regenerate(target, convs, str(tmp_path / "hf.jsonl"), replace(two_turns(3), engine="hf"))
+    hf = tregen.regenerate(target, convs, str(tmp_path / "hf.jsonl"), replace(two_turns(3), engine="hf"))
     assert ours == hf and len(ours) == len(convs)
-    monkeypatch.setattr(tdata, "_ar_runtime", lambda *a: None)
+    monkeypatch.setattr(tregen, "_ar_runtime", lambda *a: None)
     auto = replace(two_turns(3), engine="auto", vllm_python=str(tmp_path / "no-vllm" / "python"))
     capsys.readouterr()
-    assert tdata.regenerate(target, convs, str(tmp_path / "auto.jsonl"), auto) == hf
+    assert tregen.regenerate(target, convs, str(tmp_path / "auto.jsonl"), auto) == hf
     said = capsys.readouterr().out
     assert "HF generate" in said and "vLLM not used: no vLLM environment at" in said
 
 
 def test_regenerate_engine_ours_on_an_architecture_it_cannot_run_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr(tdata, "_ar_runtime", lambda *a: None)
+    monkeypatch.setattr(tregen, "_ar_runtime", lambda *a: None)
     with pytest.raises(ValueError, match=r"engine=ours: our runtime does not run model type 'llama'; use "
                                          r"engine=vllm or engine=hf"):
-        tdata.regenerate(tiny_target(), regen_convs(), str(tmp_path / "r.jsonl"), two_turns(2))
+        tregen.regenerate(tiny_target(), regen_convs(), str(tmp_path / "r.jsonl"), two_turns(2))
 
 
 def test_regenerate_engine_vllm_without_vllm_is_named(tmp_path):
     opts = replace(two_turns(2), engine="vllm", vllm_python=str(tmp_path / "none"))
     with pytest.raises(ValueError, match=r"no vLLM environment at .*none.*make_vllm_env\.sh"):
-        tdata.regenerate(tiny_target(), regen_convs(), str(tmp_path / "r.jsonl"), opts)
+        tregen.regenerate(tiny_target(), regen_convs(), str(tmp_path / "r.jsonl"), opts)
 
 
 # ----------------------------------------------------------------------------- real assets (slow)
@@ -513,12 +514,12 @@ def test_regenerate_skips_and_counts_long_prompts(tmp_path, capsys):
     tok = target.tokenizer
     first = [[m for m in c.messages[:1] if m["role"] == "system"] + [m for m in c.messages if m["role"] == "user"][:1]
              for c in convs]
-    lens = [len(tok(tdata._render(tok, msgs, None, None,
+    lens = [len(tok(tdata.render_chat(tok, msgs, None, None,
                               add_generation_prompt=True), add_special_tokens=False)["input_ids"]) for msgs in first]
     limit = sorted(lens)[len(lens) // 2]
     capsys.readouterr()
-    got = tdata.regenerate(target, convs, str(tmp_path / "r.jsonl"),
-                           tdata.AnswerOptions(max_new_tokens=4, batch_size=2, max_prompt_tokens=limit,
+    got = tregen.regenerate(target, convs, str(tmp_path / "r.jsonl"),
+                           tregen.AnswerOptions(max_new_tokens=4, batch_size=2, max_prompt_tokens=limit,
                                                engine="ours"))
     kept = [c.id for c, n in zip(convs, lens) if n <= limit]
     assert [c.id for c in got] == kept and 0 < len(kept) < len(convs)

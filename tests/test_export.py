@@ -6,6 +6,7 @@ the GGUF is checked numerically with a reference forward that follows llama.cpp'
 from __future__ import annotations
 
 import json
+import shutil
 
 import gguf
 import numpy as np
@@ -18,9 +19,9 @@ from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
 from drafthead.eagle3 import FAMILY as EAGLE3
 from drafthead.export import ExportError, export
 from drafthead.export.eagle3 import load_exported
+from drafthead.export import eagle3_sglang as sglang_export
+from drafthead.export import eagle3_speculators as spec_export
 from drafthead.export import gguf as gguf_export
-from drafthead.export import sglang as sglang_export
-from drafthead.export import speculators as spec_export
 from drafthead.registry import save_draft
 from drafthead.target import Target, capture, freeze
 from drafthead.vocab import build_vocab_mapping
@@ -104,7 +105,7 @@ def draft_logits(drafter, seed: int = 1) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
 def test_roundtrip_identical_logits(setup, tmp_path, fmt):
-    out = export(setup["draft"], fmt, tmp_path / fmt)
+    out = export(setup["draft"], fmt, tmp_path / fmt, outtype="f32")  # fp32: the layout, bit for bit
     back = load_exported(out, embed_weight=setup["emb"])
     assert back.config.to_dict() == setup["drafter"].config.to_dict()
     assert torch.equal(draft_logits(back), draft_logits(setup["drafter"]))
@@ -114,7 +115,7 @@ def test_roundtrip_identical_logits(setup, tmp_path, fmt):
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
 def test_roundtrip_from_server_fields_only(setup, tmp_path, fmt):
     """Without our private `drafthead` section the config is rebuilt from the fields servers read."""
-    out = export(setup["draft"], fmt, tmp_path / fmt)
+    out = export(setup["draft"], fmt, tmp_path / fmt, outtype="f32")
     cfg = json.loads((out / "config.json").read_text())
     del cfg["drafthead"]
     (out / "config.json").write_text(json.dumps(cfg))
@@ -141,7 +142,7 @@ def setup31(setup, tmp_path_factory):
 @pytest.mark.parametrize("own_section", [True, False])
 def test_eagle31_roundtrip(setup, setup31, tmp_path, fmt, own_section):
     """fc_norm / norm_output travel as the fields servers read, with the `fc_norm.{i}.weight` tensors."""
-    out = export(setup31["draft"], fmt, tmp_path / fmt)
+    out = export(setup31["draft"], fmt, tmp_path / fmt, outtype="f32")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["fc_norm"] is True and cfg["norm_output"] is True
     sd = load_file(str(out / "model.safetensors"))
@@ -182,6 +183,23 @@ def test_sglang_eagle_config_only_is_read_with_sglang_semantics(setup, tmp_path)
     del cfg["drafthead"], cfg["eagle_aux_hidden_state_layer_ids"]
     (out / "config.json").write_text(json.dumps(cfg))
     assert load_exported(out).config.aux_layer_ids == AUX
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_serving_layouts_default_to_the_dtype_engines_serve(setup, tmp_path, fmt):
+    """No outtype: bf16 (vLLM / SGLang cast nothing on load), fp16 beside a target whose checkpoint is fp16;
+    outtype=f32 keeps the draft's fp32 weights."""
+    def written(out):
+        sd = load_file(str(out / "model.safetensors"))
+        return sd["fc.weight"].dtype, json.loads((out / "config.json").read_text())["torch_dtype"]
+
+    assert written(export(setup["draft"], fmt, tmp_path / "default")) == (torch.bfloat16, "bfloat16")
+    assert written(export(setup["draft"], fmt, tmp_path / "f32", outtype="f32")) == (torch.float32, "float32")
+    fp16 = tmp_path / "fp16_target"
+    shutil.copytree(setup["tdir"], fp16)
+    cfg = json.loads((fp16 / "config.json").read_text())
+    (fp16 / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "float16"}))
+    assert written(export(setup["draft"], fmt, tmp_path / "f16", target=str(fp16))) == (torch.float16, "float16")
 
 
 def test_outtype_bf16_safetensors(setup, tmp_path):

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
 from drafthead.export import ExportError, export, main
-from drafthead.export import sglang as sglang_export
+from drafthead.export import eagle3_sglang as sglang_export
 from drafthead.registry import save_draft
 from drafthead.vocab import build_vocab_mapping
 
@@ -92,7 +92,7 @@ def test_sglang_refuses_norm_before_residual(drafts, tmp_path):
 
 def test_speculators_carries_norm_before_residual(drafts, tmp_path):
     drafter, ddir = drafts[True]
-    out = export(ddir, "speculators", tmp_path / "spec")
+    out = export(ddir, "speculators", tmp_path / "spec", outtype="f32")  # fp32: our logits bit for bit
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["norm_before_residual"] is True
     del cfg["drafthead"]  # only the fields servers read
@@ -121,7 +121,7 @@ def test_sglang_reader_still_reads_norm_before_residual(drafts, tmp_path):
 def test_store_embedding_local_verifier(drafts, tmp_path, nbr):
     drafter, ddir = drafts[nbr]
     tdir = drafts["tdir"]
-    out = export(ddir, "speculators", tmp_path / "spec", verifier=str(tdir), store_embedding=True)
+    out = export(ddir, "speculators", tmp_path / "spec", verifier=str(tdir), store_embedding=True, outtype="f32")
     sd = load_file(str(out / "model.safetensors"))
     emb = target_embedding(tdir)
     assert torch.equal(sd["embed_tokens.weight"], emb)
@@ -138,7 +138,7 @@ def test_store_embedding_local_verifier(drafts, tmp_path, nbr):
 def test_store_embedding_default_off_and_outtype(drafts, tmp_path):
     ddir = drafts[False][1]
     sd = load_file(str(export(ddir, "speculators", tmp_path / "plain") / "model.safetensors"))
-    assert "embed_tokens.weight" not in sd
+    assert "embed_tokens.weight" not in sd and sd["fc.weight"].dtype == torch.bfloat16  # what vLLM serves
     sd = load_file(str(export(ddir, "speculators", tmp_path / "bf", outtype="bf16", store_embedding=True)
                        / "model.safetensors"))
     assert sd["embed_tokens.weight"].dtype == torch.bfloat16
@@ -160,12 +160,13 @@ def test_store_embedding_needs_loadable_target(drafts, tmp_path):
 
 
 def test_cli_store_embedding(drafts, tmp_path):
-    """`store_embedding=true` on the command line arrives as a bool (OmegaConf) and is accepted."""
+    """`store_embedding=true` on the command line arrives as a bool (OmegaConf) and is accepted; the embedding is
+    cast with the rest (bf16 by default)."""
     out = tmp_path / "spec"
     assert main([f"draft={drafts[False][1]}", "to=speculators", f"out={out}", f"verifier={drafts['tdir']}",
                  "store_embedding=true"]) == 0
     assert torch.equal(load_file(str(out / "model.safetensors"))["embed_tokens.weight"],
-                       target_embedding(drafts["tdir"]))
+                       target_embedding(drafts["tdir"]).to(torch.bfloat16))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +180,7 @@ def speculators_model(drafts, key, tmp_path, monkeypatch):
 
     drafter, ddir = drafts[key]
     tdir = drafts["tdir"]
-    out = export(ddir, "speculators", tmp_path / "spec", verifier=str(tdir), store_embedding=True)
+    out = export(ddir, "speculators", tmp_path / "spec", verifier=str(tdir), store_embedding=True, outtype="f32")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)

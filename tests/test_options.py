@@ -114,3 +114,15 @@ def test_every_exporter_option_is_a_documented_export_option():
     for fam in FAMILIES.values():
         for fmt, spec in fam.exporters.items():
             assert set(exporter_options(spec)) <= set(FORMAT_OPTIONS), (fam.name, fmt, exporter_options(spec))
+
+
+def test_the_checkouts_train_py_answers_help_too():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "train.py", "recipe=dflash_smollm2", "--help"], cwd=root, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: python train.py [recipe=NAME]") and "drafter.family=dflash " in r.stdout

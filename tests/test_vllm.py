@@ -127,8 +127,8 @@ def test_every_eagle3_layout_vllm_reads_is_the_same_draft_to_it(world, eval_repo
     first = eval_report["vllm"]["runs"]["draft"]
     assert others, "EAGLE3 declares one vLLM layout only"
     for fmt in others:
-        out = export(world["draft"], fmt, tmp_path / fmt, **({"verifier": str(world["model"])}
-                                                             if fmt == "speculators" else {}))
+        out = export(world["draft"], fmt, tmp_path / fmt, outtype="f32",  # as the fp32 eval exported the first
+                     **({"verifier": str(world["model"])} if fmt == "speculators" else {}))
         run = vllm.run(vllm_python, world["model"], world["prompts"], MAX_TOKENS, f"eagle3 {fmt}",
                        spec=vllm.speculative_config(FAMILIES["eagle3"].vllm[fmt], out, K))
         assert run.outputs == alone, f"{fmt}: differs from vLLM without speculation"
@@ -141,12 +141,13 @@ def test_regeneration_through_vllm_writes_vllms_own_greedy_answers(world, eval_r
     """`data.regenerate.engine=vllm`: one vLLM engine answers every conversation; each answer is vLLM's own greedy
     continuation of that prompt (what vLLM alone decoded in the eval), cut at the target's end of turn."""
     from drafthead.trainer import data as tdata
+    from drafthead.trainer import regenerate as tregen
 
     target, n = world["target"], 32
     convs = [tdata.Conversation(f"q{i}", [{"role": "user", "content": q}, {"role": "assistant", "content": "old"}])
              for i, q in enumerate(QUESTIONS)]
-    opts = tdata.AnswerOptions(max_new_tokens=n, batch_size=4, engine="vllm", vllm_python=str(vllm_python))
-    got = tdata.regenerate(target, convs, str(tmp_path / "regen.jsonl"), opts)
+    opts = tregen.AnswerOptions(max_new_tokens=n, batch_size=4, engine="vllm", vllm_python=str(vllm_python))
+    got = tregen.regenerate(target, convs, str(tmp_path / "regen.jsonl"), opts)
     said = capsys.readouterr().out
     assert "vLLM's offline engine" in said and "tok/s, engine start included" in said
     tok = target.tokenizer

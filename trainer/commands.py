@@ -13,7 +13,7 @@ from drafthead.trainer.runlock import run_lock_on_rank0
 def help_text(argv: list[str]) -> str:
     from drafthead.trainer.config import help_text as recipe_help
 
-    return recipe_help(argv, "capture")
+    return recipe_help(argv, "drafthead capture")
 
 
 def capture(argv: list[str]) -> int:

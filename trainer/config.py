@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from drafthead import options
-from drafthead.trainer.data import ANSWER_ENGINES
+from drafthead.trainer.regenerate import ANSWER_ENGINES
 from drafthead.hardware import DTYPES
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -174,13 +174,14 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
     return cfg
 
 
-def help_text(argv: list[str], command: str = "train") -> str:
-    """Every option with the value the recipe named in `argv` (default: the embedded default) gives it."""
+def help_text(argv: list[str], entry: str = "drafthead train") -> str:
+    """Every option with the value the recipe named in `argv` (default: the embedded default) gives it; `entry`:
+    the command the user typed."""
     pairs = options.key_values(list(argv), ConfigError)
     cfg = options.parse(RunConfig, {k: v for k, v in pairs.items() if k != "recipe"}, ConfigError,
                         layers=(OmegaConf.load(recipe_path(pairs.get("recipe", DEFAULT_RECIPE))),))
     recipes = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-    return options.help_text(f"drafthead {command} [recipe=NAME] key.sub=value ...", __doc__, cfg,
+    return options.help_text(f"{entry} [recipe=NAME] key.sub=value ...", __doc__, cfg,
                              f"values shown: recipe={pairs.get('recipe', DEFAULT_RECIPE)} with the keys given. "
                              f"Recipes: {', '.join(recipes)}, or a .yaml path.")
 

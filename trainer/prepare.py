@@ -11,6 +11,7 @@ import torch
 
 from drafthead.target import Target
 from drafthead.trainer import data as tdata
+from drafthead.trainer import regenerate as tregen
 from drafthead.trainer.config import RunConfig
 from drafthead.trainer.dist import Dist, barrier
 
@@ -63,12 +64,12 @@ def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: P
     out = run_dir / f"regenerated-{tag}{digest}.jsonl"
     if d.main:
         log(f"regenerating {len(chosen)} of {len(convs)} conversations with the target -> {out}")
-        opts = tdata.AnswerOptions(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+        opts = tregen.AnswerOptions(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
                                    batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
                                    chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking,
                                    max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1),
                                    engine=rc.engine, vllm_python=rc.vllm_python)
-        tdata.regenerate(target, chosen, str(out), opts)
+        tregen.regenerate(target, chosen, str(out), opts)
     barrier(d)
     regen = {c.id: c for c in tdata.read_jsonl(out)}
     return [regen.get(c.id, c) if i in pick else c for i, c in enumerate(convs)]

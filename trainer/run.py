@@ -26,13 +26,14 @@ from typing import Any, Callable
 
 import torch
 
+from drafthead import options
 from drafthead.io import atomic_write_bytes
 from drafthead.registry import family, save_draft
 from drafthead.target import Target, TargetHead, load_target
 from drafthead.trainer.budget import Plan, budget_record
 from drafthead.trainer.capture import ShardedFeatures, capture_offline
 from drafthead.trainer.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
-from drafthead.trainer.config import RunConfig, as_dict, parse_or_exit, to_yaml
+from drafthead.trainer.config import RunConfig, as_dict, help_text, parse_or_exit, to_yaml
 from drafthead.trainer.data import write_jsonl
 from drafthead.trainer.dist import Dist, all_reduce_data, barrier, init_distributed
 from drafthead.trainer.engines import build_engine
@@ -64,9 +65,13 @@ def main(argv: list[str], entry: str = "drafthead train") -> Path:
 
 def cli(argv: list[str] | None = None, entry: str = "drafthead train") -> int:
     """The process entry (`drafthead train`, `python train.py`): a stop or bad input becomes one line and an
-    exit code, a finished run 0."""
+    exit code, a finished run 0; `--help` lists every option."""
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        main(sys.argv[1:] if argv is None else argv, entry)
+        if options.wants_help(argv):
+            print(help_text([a for a in argv if a not in options.HELP_FLAGS], entry))
+            return 0
+        main(argv, entry)
     except Interrupted as e:  # SIGINT / SIGTERM: what was saved and how to resume, exit 128 + signal
         print(f"{e}", file=sys.stderr)
         return e.code

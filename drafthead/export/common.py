@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from drafthead.registry import LoadedDraft as DraftSource  # noqa: F401  (what exporters receive)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +34,7 @@ class TargetInfo:
     architectures: list[str] = field(default_factory=lambda: ["LlamaForCausalLM"])
     gguf_path: Path | None = None  # the target as one GGUF file (tokenizer metadata for to=gguf)
     source: str = ""  # where the numbers came from, for messages
+    dtype: str | None = None  # the checkpoint's declared torch_dtype (HF config.json); None: not declared (GGUF)
 
 
 def absolute_d2t(d2t: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,8 @@ def hf_dir_target_info(path: Path, name: str, gguf_file: str | None) -> TargetIn
     cfg = {**cfg, **cfg.get("text_config", {})}
     try:
         info = TargetInfo(name, int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
-                          list(cfg.get("architectures") or ["LlamaForCausalLM"]), None, f"{path}/config.json")
+                          list(cfg.get("architectures") or ["LlamaForCausalLM"]), None, f"{path}/config.json",
+                          cfg.get("torch_dtype") or cfg.get("dtype"))
     except KeyError as e:
         raise ExportError(f"{path}/config.json has no {e.args[0]}") from None
     g = path / gguf_file if gguf_file else None
@@ -149,7 +150,7 @@ def hf_dir_target_info(path: Path, name: str, gguf_file: str | None) -> TargetIn
     return info
 
 
-def resolve_target(target: str | None, meta: dict) -> TargetInfo:
+def export_target_info(target: str | None, meta: dict) -> TargetInfo:
     """The target named by `target=` or, by default, the one recorded in the draft's config.json.
 
     A built-in name, a `.gguf` file, or a local HF directory (config.json). When the recorded default
@@ -191,6 +192,10 @@ def resolve_target(target: str | None, meta: dict) -> TargetInfo:
 # ---------------------------------------------------------------------------------------------
 # shared config pieces
 
+SPECULATORS_VERSION = "0.1.0"  # the speculators config schema the `to=speculators` layouts follow
+# built-in target names -> the public model id a vLLM user would serve as the verifier
+VERIFIER_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
 def llama_fields(cfg: Any) -> dict[str, Any]:
     """The HF LlamaConfig fields of a one-layer draft (hidden_size, heads, ...: SGLang/vLLM/speculators read these)."""
     return {
@@ -226,10 +231,19 @@ def check_gguf_out(out: str | os.PathLike, outtype: str, allowed) -> Path:
     return out
 
 
-def cast_state(state: dict[str, torch.Tensor], outtype: str | None) -> dict[str, torch.Tensor]:
-    """Cast float tensors for the safetensors formats (d2t/t2d keep int64/bool); None keeps dtypes."""
-    if outtype is None:
-        return dict(state)
+def serving_outtype(outtype: str | None, target: TargetInfo) -> str:
+    """The dtype a draft for vLLM / SGLang is written in: `outtype` where given, else what the engines serve it
+    in: fp16 beside a target whose checkpoint is fp16, bf16 otherwise (half an fp32 file, and the engine casts
+    nothing on load). `outtype=f32` keeps a draft's fp32 weights (an fp32 engine run, as `drafthead eval
+    engine=vllm dtype=float32` makes)."""
+    if outtype is not None:
+        return outtype
+    return "f16" if target.dtype == "float16" else "bf16"
+
+
+def cast_state(state: dict[str, torch.Tensor], outtype: str | None, target: TargetInfo) -> dict[str, torch.Tensor]:
+    """Float tensors cast for the vLLM / SGLang safetensors formats (`serving_outtype`; d2t/t2d keep int64/bool)."""
+    outtype = serving_outtype(outtype, target)
     if outtype not in SAFETENSORS_DTYPES:
         raise ExportError(f"outtype={outtype!r} is not available for safetensors exports; "
                           f"choose one of {sorted(SAFETENSORS_DTYPES)}")

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from drafthead.dflash import DflashConfig, mask_token_problem
 from drafthead.export.common import (GGUF_FINGERPRINT_KEY, ExportError, TargetInfo, cast_state, check_gguf_out,
-                                     resolve_target, target_fingerprint, write_hf_dir)
+                                     export_target_info, target_fingerprint, write_hf_dir)
 from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, write_atomic, write_tensors
 from drafthead.registry import LoadedDraft
 
@@ -97,8 +97,9 @@ def hf_config(cfg: DflashConfig) -> dict:
 def to_dflash(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
               outtype: str | None = None) -> Path:
     """The HF `DFlashDraftModel` directory (config.json + model.safetensors, our tensor names are z-lab's)."""
-    check_target(draft.config, resolve_target(target, draft.meta))
-    return write_hf_dir(out, cast_state(draft.state, outtype), hf_config(draft.config), draft.meta)
+    tinfo = export_target_info(target, draft.meta)
+    check_target(draft.config, tinfo)
+    return write_hf_dir(out, cast_state(draft.state, outtype, tinfo), hf_config(draft.config), draft.meta)
 
 
 def config_from_hf(config: dict) -> DflashConfig:
@@ -138,7 +139,7 @@ def speculators_config(cfg: DflashConfig, target: TargetInfo, dtype: str, verifi
     Qwen3 fields under `transformer_layer_config`, `aux_hidden_state_layer_ids` in vLLM's capture convention
     (HF `hidden_states[i]`, the input of layer i: ours + 1), full vocabulary (no lm_head stored: it is the
     verifier's), slot 0 = the bonus token (`sample_from_anchor` false: B-1 drafts per block)."""
-    from drafthead.export.speculators import SPECULATORS_VERSION, VERIFIER_IDS
+    from drafthead.export.common import SPECULATORS_VERSION, VERIFIER_IDS
 
     layer = {k: v for k, v in hf_config(cfg).items() if k not in ("architectures", "auto_map", "dflash_config",
                                                                   "block_size")}
@@ -171,9 +172,9 @@ def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | Non
     """The speculators DFlash checkpoint (`vllm serve DIR`): config.json + model.safetensors with z-lab's names."""
     from drafthead.export.common import dtype_name
 
-    tinfo = resolve_target(target, draft.meta)
+    tinfo = export_target_info(target, draft.meta)
     check_target(draft.config, tinfo)
-    state = cast_state(draft.state, outtype)
+    state = cast_state(draft.state, outtype, tinfo)
     return write_hf_dir(out, state, speculators_config(draft.config, tinfo, dtype_name(state), verifier), draft.meta)
 
 
@@ -217,7 +218,7 @@ def to_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = Non
     """One GGUF file for llama.cpp's `-md draft.gguf --spec-type draft-dflash` (tokenizer from the target GGUF)."""
     outtype = outtype or "f32"
     out = check_gguf_out(out, outtype, OUTTYPES)
-    tinfo = resolve_target(target, draft.meta)
+    tinfo = export_target_info(target, draft.meta)
     check_target(draft.config, tinfo)
     if tinfo.gguf_path is None:
         raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target {tinfo.name_or_path!r} "

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from drafthead.dspark import DsparkConfig
 from drafthead.export import dflash as dflash_export
 from drafthead.export.common import (GGUF_FINGERPRINT_KEY, ExportError, TargetInfo, cast_state, check_gguf_out,
-                                     dtype_name, resolve_target, target_fingerprint, write_hf_dir)
+                                     dtype_name, export_target_info, target_fingerprint, write_hf_dir)
 from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, write_atomic, write_tensors
 from drafthead.registry import LoadedDraft
 
@@ -57,9 +57,9 @@ def speculators_config(cfg: DsparkConfig, target: TargetInfo, dtype: str, verifi
 def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
                    outtype: str | None = None, verifier: str | None = None) -> Path:
     """The speculators DSpark checkpoint (`vllm serve DIR`; llama.cpp's converter reads it too)."""
-    tinfo = resolve_target(target, draft.meta)
+    tinfo = export_target_info(target, draft.meta)
     dflash_export.check_target(draft.config, tinfo)
-    state = cast_state(draft.state, outtype)
+    state = cast_state(draft.state, outtype, tinfo)
     return write_hf_dir(out, state, speculators_config(draft.config, tinfo, dtype_name(state), verifier), draft.meta)
 
 
@@ -124,7 +124,7 @@ def to_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = Non
     """One GGUF file for llama.cpp's `-md draft.gguf --spec-type draft-dspark` (tokenizer from the target GGUF)."""
     outtype = outtype or "f32"
     out = check_gguf_out(out, outtype, OUTTYPES)
-    tinfo = resolve_target(target, draft.meta)
+    tinfo = export_target_info(target, draft.meta)
     dflash_export.check_target(draft.config, tinfo)
     if tinfo.gguf_path is None:
         raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target {tinfo.name_or_path!r} "

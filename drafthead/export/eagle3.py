@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from drafthead.eagle3 import FAMILY, Eagle3Config, Eagle3Drafter
-from drafthead.export import gguf, sglang, speculators
-from drafthead.export.common import ExportError, TargetInfo, resolve_target
+from drafthead.export import eagle3_gguf, eagle3_sglang, eagle3_speculators
+from drafthead.export.common import ExportError, TargetInfo, export_target_info
 from drafthead.registry import NOT_SAVED, LoadedDraft, attach_embedding, check_state
 
 
@@ -22,26 +22,27 @@ def prepare(draft: LoadedDraft, target: str | None) -> TargetInfo:
     if len(cfg.aux_layer_ids) != 3:
         raise ExportError(f"{draft.path}: EAGLE3 export needs exactly 3 aux layer ids (SGLang/vLLM/llama.cpp), "
                           f"got {cfg.aux_layer_ids}")
-    tinfo = resolve_target(target, draft.meta)
+    tinfo = export_target_info(target, draft.meta)
     check_target(cfg, tinfo)
     return tinfo
 
 
 def to_sglang(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
               outtype: str | None = None) -> Path:
-    return sglang.export(draft, prepare(draft, target), out, outtype=outtype)
+    return eagle3_sglang.export(draft, prepare(draft, target), out, outtype=outtype)
 
 
 def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
                    outtype: str | None = None, num_draft_tokens: int = 3, verifier: str | None = None,
                    store_embedding: bool = False) -> Path:
-    return speculators.export(draft, prepare(draft, target), out, outtype=outtype,
-                              num_draft_tokens=num_draft_tokens, verifier=verifier, store_embedding=store_embedding)
+    return eagle3_speculators.export(draft, prepare(draft, target), out, outtype=outtype,
+                                     num_draft_tokens=num_draft_tokens, verifier=verifier,
+                                     store_embedding=store_embedding)
 
 
 def to_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
             outtype: str | None = None) -> Path:
-    return gguf.export(draft, prepare(draft, target), out, outtype=outtype)
+    return eagle3_gguf.export(draft, prepare(draft, target), out, outtype=outtype)
 
 
 def check_target(cfg: Eagle3Config, t: TargetInfo) -> None:
@@ -65,7 +66,7 @@ def load_exported(path: str | os.PathLike, embed_weight: torch.Tensor | None = N
         raise FileNotFoundError(f"{path}: expected config.json and model.safetensors")
     config = json.loads(cfg_file.read_text())
     state = load_file(str(weights))
-    fmt = speculators if "speculators_model_type" in config else sglang
+    fmt = eagle3_speculators if "speculators_model_type" in config else eagle3_sglang
     kw, state = fmt.to_internal(config, state)
     stored_embedding = state.pop("embed_tokens.weight", None)
     cfg = Eagle3Config(**{FAMILY.renamed_keys.get(k, k): v for k, v in kw.items()})  # older exports: old names

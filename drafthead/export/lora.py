@@ -191,7 +191,7 @@ def export_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None =
     """The standalone draft as a llama GGUF (f32 by default), tokenizer from the target's GGUF."""
     import gguf
 
-    from drafthead.export.common import resolve_target
+    from drafthead.export.common import export_target_info
     from drafthead.export.gguf import add_model_keys, copy_tokenizer, write_atomic, write_tensors
 
     outtype = outtype or "f32"
@@ -200,7 +200,7 @@ def export_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None =
     if c.model_type != "llama":
         raise ExportError(f"to=gguf writes llama-architecture drafts (llama.cpp's `-md` draft); this target is "
                           f"{c.model_type!r}: export to=hf and convert it with llama.cpp's convert_hf_to_gguf.py")
-    info = resolve_target(target, draft.meta)
+    info = export_target_info(target, draft.meta)
     if info.gguf_path is None:
         raise ExportError(f"to=gguf copies the tokenizer from the target's GGUF, but target {info.name_or_path!r} "
                           f"({info.source}) has none: pass target=PATH.gguf")

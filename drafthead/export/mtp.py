@@ -69,7 +69,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 # ---------------------------------------------------------------------------------------------
 # the draft
 
-MtpSource = LoadedDraft  # an MTP draft read and checked by drafthead.registry.read_draft
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,7 +208,7 @@ def _mtp_dtype(tgt: TargetCheckpoint, outtype: str | None) -> torch.dtype | None
 # ---------------------------------------------------------------------------------------------
 # names and config
 
-def native_tensors(src: MtpSource, tgt: TargetCheckpoint, embed: torch.Tensor | None,
+def native_tensors(src: LoadedDraft, tgt: TargetCheckpoint, embed: torch.Tensor | None,
                    lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Our `layers.{i}.*` under the target family's MTP names (+ the nextn layout's embedding copy)."""
     hf = tgt.hf_config
@@ -252,7 +251,7 @@ def mtp_config_json(tgt: TargetCheckpoint, n: int) -> dict:
 # ---------------------------------------------------------------------------------------------
 # to=hf
 
-def write_hf(src: MtpSource, tgt: TargetCheckpoint, folder: Path, outtype: str | None = None,
+def write_hf(src: LoadedDraft, tgt: TargetCheckpoint, folder: Path, outtype: str | None = None,
              with_draft: bool = True) -> None:
     """Fill `folder` (empty, not atomic: callers wrap it): target files + weights, the MTP shard, the index,
     config.json with the MTP field and, with `with_draft`, `draft/` in drafthead's format."""
@@ -312,7 +311,7 @@ def write_hf(src: MtpSource, tgt: TargetCheckpoint, folder: Path, outtype: str |
     default_mode(folder, directory=True)
 
 
-def _export_hf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
+def _export_hf(src: LoadedDraft, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
     with atomic_dir(out) as tmp:
         write_hf(src, tgt, tmp, outtype)
     return Path(out)
@@ -355,7 +354,7 @@ def run_converter(hf_dir: Path, out_file: Path, outtype: str) -> None:
                           f"{res.stderr.strip().splitlines()[-1] if res.stderr.strip() else ''}\n{res.stderr[-3000:]}")
 
 
-def _export_gguf(src: MtpSource, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
+def _export_gguf(src: LoadedDraft, tgt: TargetCheckpoint, out: str | os.PathLike, outtype: str | None = None) -> Path:
     outtype = outtype or "auto"
     out = check_gguf_out(out, outtype, GGUF_OUTTYPES)
     arch = gguf_arch(tgt.model_type, tgt.name)

@@ -24,14 +24,12 @@ from typing import Any
 import torch
 
 from drafthead.eagle3 import Eagle3Config
-from drafthead.export.common import (write_hf_dir, DraftSource, ExportError, TargetInfo, cast_state, dtype_name,
-                                     llama_fields)
-from drafthead.export.sglang import LAYER_ID_MEANING, _target_record, config_from_llama_fields
+from drafthead.export.common import (SPECULATORS_VERSION, VERIFIER_IDS, ExportError, TargetInfo, cast_state,
+                                     dtype_name, llama_fields, write_hf_dir)
+from drafthead.export.eagle3_sglang import LAYER_ID_MEANING, _target_record, config_from_llama_fields
+from drafthead.registry import LoadedDraft
 
 ARCHITECTURE = "Eagle3Speculator"
-SPECULATORS_VERSION = "0.1.0"  # the config schema we follow (Eagle3SpeculatorConfig)
-# built-in target names -> the public model id a vLLM user would serve as the verifier
-VERIFIER_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 # every key `build_config` writes, as the speculators schema names them (tests pin the layout)
 TOP_LEVEL_FIELDS = ("speculators_model_type", "speculators_version", "architectures", "transformer_layer_config",
@@ -79,16 +77,14 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str,
     }
 
 
-def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None,
+def export(src: LoadedDraft, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None,
            num_draft_tokens: int = 3, verifier: str | None = None, store_embedding: bool = False) -> Path:
     if not isinstance(store_embedding, bool):
         raise ExportError(f"store_embedding={store_embedding!r} must be true or false")
     state = dict(src.state)
     if store_embedding:
-        emb = target_embedding(target, src.config)
-        # with outtype unset the embedding takes the draft's float dtype (cast_state keeps dtypes then)
-        state[EMBEDDING] = emb if outtype is not None else emb.to(src.state["fc.weight"].dtype)
-    cast = cast_state(state, outtype)
+        state[EMBEDDING] = target_embedding(target, src.config)  # cast with the rest
+    cast = cast_state(state, outtype, target)
     config = build_config(src.config, target, src.meta, dtype_name(cast), num_draft_tokens=num_draft_tokens,
                           verifier=verifier)
     state = {rename_out(k): v for k, v in cast.items()}

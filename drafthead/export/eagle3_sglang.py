@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from drafthead.eagle3 import Eagle3Config
-from drafthead.export.common import (write_hf_dir, DraftSource, ExportError, TargetInfo, cast_state, dtype_name,
+from drafthead.export.common import (write_hf_dir, ExportError, TargetInfo, cast_state, dtype_name,
                                      llama_fields)
+from drafthead.registry import LoadedDraft
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def _target_record(target: TargetInfo, meta: dict) -> dict:
     return rec
 
 
-def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:
+def export(src: LoadedDraft, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None) -> Path:
     if src.config.norm_before_residual:
         # SGLang's LlamaForCausalLMEagle3 has no such field and always keeps the un-normed fc output as the
         # residual, so it would silently compute another draft; refuse before anything is written
@@ -87,7 +88,7 @@ def export(src: DraftSource, target: TargetInfo, out: str | os.PathLike, outtype
                           f"layout cannot express (SGLang's EAGLE3 reader has no norm_before_residual field and "
                           f"would silently compute a different draft); export it with to=speculators, whose "
                           f"config carries norm_before_residual (vLLM serves it), or to=gguf for llama.cpp")
-    state = cast_state(src.state, outtype)
+    state = cast_state(src.state, outtype, target)
     config = build_config(src.config, target, src.meta, dtype_name(state))
     return write_hf_dir(out, state, config, src.meta)
 
