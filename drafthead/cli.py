@@ -13,6 +13,7 @@ from typing import Any
 
 from drafthead.options import HELP_FLAGS, wants_help
 
+
 @dataclass(frozen=True)
 class Command:
     run: str  # "module:function" taking the arguments, returning the exit code

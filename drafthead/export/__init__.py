@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from drafthead import options as opts
-
 from drafthead.export.common import ExportError
 from drafthead.family import Family, resolve
 from drafthead.registry import FAMILIES, LoadedDraft, family, read_draft, read_draft_config
@@ -104,15 +103,16 @@ class ExportConfig:
     target: str | None = None  # the target to check the draft against and read from (default: the draft's own)
     allow_target_mismatch: bool = False  # export for a target whose fingerprint is not the one the draft was
     # trained on (the same model in another format, say); the mismatch is still printed
-    outtype: str | None = None  # the weights' type in the file: f32 | f16 | bf16 (| q8_0 for GGUF); default: as
-    # trained, or the format's own
+    outtype: str | None = None  # the weights' type in the file: f32 | f16 | bf16 (| q8_0 for GGUF); default: bf16
+    # for the vLLM / SGLang layouts (fp16 beside an fp16 target), f32 for GGUF, the target's own for MTP's hf
     verifier: str | None = None  # speculators: the verifier the config names (default: the target's public id);
     # offline, a local HF directory of the target
     num_draft_tokens: int | None = None  # speculators (EAGLE3): the draft length the config proposes (default 3)
     store_embedding: bool | None = None  # speculators (EAGLE3): also write the target's token embedding (false)
 
 
-FORMAT_OPTIONS = [f.name for f in dataclasses.fields(ExportConfig)][5:]
+COMMAND_KEYS = ("draft", "to", "out", "target", "allow_target_mismatch")  # the rest are the formats' own options
+FORMAT_OPTIONS = [f.name for f in dataclasses.fields(ExportConfig) if f.name not in COMMAND_KEYS]
 
 
 def help_text(argv: list[str]) -> str:
