@@ -138,10 +138,10 @@ def closest(key: str, keys: list[str]) -> str:
     return f" (did you mean '{hit[0]}'?)" if hit else ""
 
 
-def all_keys(cls: type) -> list[str]:
-    """Every dotted key of `cls`, sections included (drafter, drafter.eagle3, drafter.eagle3.init...)."""
+def all_keys(opts: list[Option]) -> list[str]:
+    """Every dotted key of these options, sections included (drafter, drafter.eagle3, drafter.eagle3.init...)."""
     keys = []
-    for o in options(cls):
+    for o in opts:
         parts = o.key.split(".")
         keys += [".".join(parts[: i + 1]) for i in range(len(parts))]
     return list(dict.fromkeys(keys))
@@ -156,8 +156,9 @@ def parse(cls: type, argv: list[str] | dict[str, str], error: type[Exception] = 
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
     pairs = key_values(argv, error) if isinstance(argv, list) else dict(argv)
-    opts = {o.key: o for o in options(cls)}
-    keys = all_keys(cls)
+    listed = options(cls)
+    opts = {o.key: o for o in listed}
+    keys = all_keys(listed)
     for k in pairs:
         if k not in opts:
             raise error(f"unknown config key '{k}'{closest(k, keys)}")
