@@ -30,7 +30,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from drafthead.family import Family, OwnLayers
-from drafthead.layers import RMSNorm, SwiGLU, apply_rope, decoder_layer_shape, given, rope_cos_sin, soft_cross_entropy
+from drafthead.layers import RMSNorm, SwiGLU, apply_rope, decoder_layer_shape, given, rope_cos_sin
+from drafthead.losses import LOSSES, Objective, draft_loss
 from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, Proposal, chain_proposal
 
 
@@ -262,9 +263,9 @@ class DflashDrafter(OwnLayers, nn.Module):
 
     # ---- training --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
-                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None
-                ) -> dict[str, torch.Tensor]:
-        """Decayed per-slot loss over sampled anchor blocks.
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None,
+                objective: Objective | None = None) -> dict[str, Any]:
+        """Decayed per-slot loss over sampled anchor blocks (`objective`: `train.loss`, None = kl).
 
         Args:
             input_ids: [B, T] target token ids (right-padded).
@@ -274,8 +275,9 @@ class DflashDrafter(OwnLayers, nn.Module):
             target_argmax: [B, T] target argmax at j (-1 where unknown): what acceptance is scored on.
             loss_mask: [B, T] 1 on assistant tokens.
             last_hidden: not read.
-        Returns `loss`, per slot `step_loss` / `correct` / `count` ([B-1] each), and `accept_len` / `blocks`:
-        the accepted prefix summed over blocks (greedy against the target argmax) and the block count.
+        Returns `loss`, per slot `step_loss` / `correct` / `count` (and out of training `alpha`, the expected
+        acceptance sum min(p, q)) ([B-1] each), and `ratios`: the accepted prefix per block (greedy against the
+        target argmax) and P(slot k right | slots < k right).
         """
         c = self.config
         Bk, dev = c.block_size, input_ids.device
@@ -293,7 +295,7 @@ class DflashDrafter(OwnLayers, nn.Module):
         tgt = target_argmax.gather(1, (lab - 1).flatten(1)).view_as(lab)  # [B, A, K] target argmax at lab
         ok = ok & (tgt >= 0)
         weighted, weights = torch.zeros((), device=dev), torch.zeros((), device=dev)
-        step_loss, count, correct = (torch.zeros(K, device=dev) for _ in range(3))
+        step_loss, count, correct, alphas = (torch.zeros(K, device=dev) for _ in range(4))
         slot_hit = torch.zeros(B, A, K, dtype=torch.bool, device=dev)
         # pieces of anchor_chunk anchors: blocks never see each other, so each piece is its own forward; in
         # training each piece is recomputed in the backward, so only one piece's activations and [M, V] logits
@@ -307,14 +309,16 @@ class DflashDrafter(OwnLayers, nn.Module):
             if b_idx.numel() == 0:
                 continue
             rows = b_idx * T + lab[:, sl][b_idx, a_idx, k_idx] - 1  # teacher row: the target at position lab-1
-            ce, top = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, k_idx, rows, teacher_probs,
-                            *[t for kv in ctx_kv for t in kv])  # [M] each
+            ce, alpha, top = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, k_idx, rows, teacher_probs,
+                                   objective, *[t for kv in ctx_kv for t in kv])  # [M] each (alpha: eval only)
             w = torch.exp(-k_idx.float() / c.loss_decay_gamma)  # slot k_idx+1: exp(-(k-1)/gamma)
             weighted, weights = weighted + (ce * w).sum(), weights + w.sum()
             hit = top == tgt[:, sl][b_idx, a_idx, k_idx]  # [M]
             step_loss.index_add_(0, k_idx, ce.detach().float())
             count.index_add_(0, k_idx, torch.ones_like(ce, dtype=torch.float32))
             correct.index_add_(0, k_idx, hit.float())
+            if not self.training:
+                alphas.index_add_(0, k_idx, alpha.float())
             slot_hit[b_idx, a_idx + s, k_idx] = hit
         loss = weighted / weights.clamp(min=1e-6)
         # greedy block acceptance: the run of correct slots from slot 1 (an unsupervised slot ends it)
@@ -326,13 +330,16 @@ class DflashDrafter(OwnLayers, nn.Module):
         blocks = valid.sum().float()
         return {"loss": loss, "step_loss": step_loss / count.clamp(min=1), "correct": correct, "count": count,
                 "ratios": {"block_accept_len": ((accepted * valid).sum().float() + blocks, blocks),  # 1 + the run
-                           "cond_acc": ((before & slot_hit).sum((0, 1)).float(), before.sum((0, 1)).float())}}
+                           "cond_acc": ((before & slot_hit).sum((0, 1)).float(), before.sum((0, 1)).float())},
+                **({} if self.training else {"alpha": alphas})}
 
     def _piece_ce(self, input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, b_idx: torch.Tensor,
                   a_idx: torch.Tensor, k_idx: torch.Tensor, rows: torch.Tensor, teacher_probs: torch.Tensor,
-                  *ctx_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Soft cross-entropy [M] and the draft's argmax [M] of the M supervised slots (b_idx, a_idx, k_idx) of
-        one piece of anchors; rows: the teacher row of each slot in the flattened [B*T] positions."""
+                  objective: Objective | None, *ctx_flat: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The loss [M], alpha [M] (empty in training) and the draft's argmax [M] of the M supervised slots
+        (b_idx, a_idx, k_idx) of one piece of anchors; rows: the teacher row of each slot in the flattened [B*T]
+        positions."""
         c = self.config
         ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
         out = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[:, :, 1:]  # [B, a, K, H] mask slots
@@ -341,7 +348,8 @@ class DflashDrafter(OwnLayers, nn.Module):
             teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, V]
         else:
             teach = F.one_hot(input_ids.flatten().index_select(0, rows + 1), c.vocab_size).float()
-        return soft_cross_entropy(logits, teach), logits.detach().argmax(-1)
+        loss, alpha = draft_loss(logits, teach, objective, not self.training)
+        return loss, logits.new_zeros(0) if alpha is None else alpha, logits.detach().argmax(-1)
 
     def anchor_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor | None, anchors: torch.Tensor,
                       valid: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -574,7 +582,7 @@ def eval_summary(res: dict[str, float]) -> str:
 
 FAMILY = Family(
     name="dflash", options=DflashOptions, config=DflashConfig, model=DflashDrafter, build=build, init=init,
-    reduced_vocab=False, describe=describe, eval_summary=eval_summary,
+    losses=LOSSES, reduced_vocab=False, describe=describe, eval_summary=eval_summary,
     exporters={"dflash": "drafthead.export.dflash:to_dflash", "speculators": "drafthead.export.dflash:to_speculators",
                "gguf": "drafthead.export.dflash:to_gguf"},
     readers={"dflash": "drafthead.export.dflash:read_back", "speculators": "drafthead.export.dflash:read_back",

@@ -22,8 +22,9 @@ from torch import nn
 
 from drafthead.family import Family, OwnLayers
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, decoder_layer_shape, given, kv_cache,
-                              one_call_layer, project, rope_cos_sin, shift, soft_cross_entropy, take_rows,
+                              one_call_layer, project, rope_cos_sin, shift, take_rows,
                               ttt_attention)
+from drafthead.losses import LOSSES, Objective, draft_loss
 from drafthead.runtime.draft import CHAIN, TREE
 from drafthead.vocab import target_to_draft
 
@@ -219,7 +220,7 @@ class Eagle3Drafter(OwnLayers, nn.Module):
     # ---- training: unrolled training-time test -------------------------------------------------
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
                 target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None,
-                num_draft_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                num_draft_tokens: int | None = None, objective: Objective | None = None) -> dict[str, Any]:
         """TTT loss.
 
         Args:
@@ -232,7 +233,9 @@ class Eagle3Drafter(OwnLayers, nn.Module):
             last_hidden: [B, T, H] the target's last hidden state after its final norm (what its lm_head
                 reads); needed when `feature_loss_weight` > 0: step i at row t then also regresses
                 norm(draft hidden) onto row t+1+i (smooth L1), a dense signal per token as in EAGLE-1.
-        Returns dict with `loss` (scalar), and per step `correct`, `count`, `step_loss` ([K] each).
+            objective: `train.loss` (drafthead/losses.py); None = kl.
+        Returns dict with `loss` (scalar), and per step `correct`, `count`, `step_loss` ([K] each); out of
+        training also `alpha` [K], the expected acceptance sum min(p, q) summed per step.
         """
         c = self.config
         K = num_draft_tokens or c.num_draft_tokens
@@ -244,12 +247,11 @@ class Eagle3Drafter(OwnLayers, nn.Module):
         keys: list[torch.Tensor] = []
         vals: list[torch.Tensor] = []
         total = hidden.new_zeros(())
-        step_loss, correct, count = [], [], []
+        step_loss, correct, count, alphas = [], [], [], []
         for i in range(K):
-            ids_i = shift(input_ids, 1 + i)  # [B, T]  token x_{t+1+i}
             mask_i = shift(loss_mask, 2 + i).bool()  # [B, T]  x_{t+2+i} is an assistant token
             pos = torch.arange(T, device=input_ids.device).expand(B, T) + i  # [B, T]
-            x, residual = layer.pre(self.embed_tokens(ids_i).to(hidden.dtype), hidden)
+            x, residual = layer.pre(*self.step_inputs(i, input_ids, hidden))
             q, k, v = attn.qkv(x, pos)  # [B, h, T, D], [B, kvh, T, D] x2
             keys.append(attn.expand_kv(k))
             vals.append(attn.expand_kv(v))
@@ -268,7 +270,7 @@ class Eagle3Drafter(OwnLayers, nn.Module):
                 teach = teach.mul_(1 - c.hard_label_weight)  # a fresh gathered copy: in place is safe
                 rows = in_vocab.nonzero(as_tuple=True)[0]
                 teach[rows, target_to_draft(self.t2d)[tgt[rows]]] += c.hard_label_weight
-            ce = soft_cross_entropy(logits, teach)  # [M]
+            ce, alpha = draft_loss(logits, teach, objective, not self.training)  # [M] each (alpha: eval only)
             n = max(int(b_idx.numel()), 1)
             li = (ce * in_vocab).sum() / n
             if c.feature_loss_weight > 0:
@@ -282,8 +284,19 @@ class Eagle3Drafter(OwnLayers, nn.Module):
             pred = self.draft_to_target(logits.detach().max(-1).indices)  # first maximum, as argmax
             correct.append((pred == tgt).sum())
             count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
-        return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
-                "count": torch.stack(count).float()}
+            if alpha is not None:
+                alphas.append(alpha.sum())
+        out = {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
+               "count": torch.stack(count).float()}
+        if alphas:
+            out["alpha"] = torch.stack(alphas).float()
+        return out
+
+    def step_inputs(self, i: int, input_ids: torch.Tensor, hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """TTT step i's inputs at row t: the embedding of x_{t+1+i} [B, T, H] beside `hidden` [B, T, H] (step 0: the
+        fused target feature f_t; later steps: the previous step's output, as a chain drafts)."""
+        return self.embed_tokens(shift(input_ids, 1 + i)).to(hidden.dtype), hidden
 
     # ---- inference: one pass of the decoder layer with a KV cache ------------------------------
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
@@ -371,7 +384,7 @@ def describe(options: Eagle3Options, config: Eagle3Config) -> str:
 
 FAMILY = Family(
     name="eagle3", options=Eagle3Options, config=Eagle3Config, model=Eagle3Drafter, build=build, init=init,
-    reduced_vocab=True, describe=describe,
+    losses=LOSSES, reduced_vocab=True, describe=describe,
     exporters={"sglang": "drafthead.export.eagle3:to_sglang", "speculators": "drafthead.export.eagle3:to_speculators",
                "gguf": "drafthead.export.eagle3:to_gguf"},
     readers={"sglang": "drafthead.export.eagle3:read_back", "speculators": "drafthead.export.eagle3:read_back",

@@ -45,8 +45,14 @@ class Family:
     # export format -> vLLM's speculative `method` for a draft exported in it: the layouts vLLM serves this family
     # from (drafthead eval engine=vllm exports the first; tests/test_vllm.py runs every one in vLLM's CPU build)
     vllm: dict[str, str] = field(default_factory=dict)
+    # keys beside `method` in vLLM's speculative_config for this family's drafts (P-EAGLE: parallel_drafting, which
+    # vLLM does not read from the draft's own config.json)
+    vllm_config: dict[str, Any] = field(default_factory=dict)
     # vLLM layouts of this family its CPU build refuses, each with vLLM's own words (what a user would meet)
     vllm_refused: dict[str, str] = field(default_factory=dict)
+    # the `train.loss` values its training forward takes as `objective` (drafthead/losses.py LOSSES); () = the
+    # family trains its own loss only and `train.loss` must stay null
+    losses: tuple[str, ...] = ()
     # "draft" keys renamed since a draft directory was written: old name -> new name (read on load)
     renamed_keys: dict[str, str] = field(default_factory=dict)
     # (options, the drafter's built config) -> a one-line description for the training log
@@ -61,8 +67,10 @@ class Drafter(Protocol):
 
     Training (trainer/):
         forward(input_ids [B, T], aux_hidden [B, T, F], last_hidden [B, T, H], teacher_probs [B, T, N],
-                target_argmax [B, T], loss_mask [B, T]) -> {"loss", "step_loss", "correct", "count"}
-        (the last three [num_draft_tokens]: per draft depth). A family reads the features it needs. Metrics of
+                target_argmax [B, T], loss_mask [B, T][, objective]) -> {"loss", "step_loss", "correct", "count"}
+        (the last three [num_draft_tokens]: per draft depth). A family reads the features it needs. A family
+        with `losses` takes `objective` (drafthead/losses.py) and, out of training, returns "alpha" too: the
+        expected acceptance sum min(p, q) summed per depth over the rows `count` counts. Metrics of
         its own go in `ratios`, {name: (numerator, denominator)}, scalars or vectors summed over held-out batches
         and ranks; the held-out eval reports `eval/<name>` = their ratio (a vector: `eval/<name>_<i>`), naming
         none itself. Block drafters report `block_accept_len` and `cond_acc`, DSpark `confidence_error`.

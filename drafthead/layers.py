@@ -188,9 +188,12 @@ def write_kv(dst: torch.Tensor, new: torch.Tensor, slots: torch.Tensor, start: i
 
 
 def take_rows(x: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
-    """x [B, T, ...] -> x[b, at[b]] as [B, 1, ...] (the one row per request whose logits are wanted);
-    x if at is None."""
-    return x if at is None else x[torch.arange(x.shape[0], device=x.device), at][:, None]
+    """x [B, T, ...] -> x[b, at[b]] as [B, 1, ...] (the one row per request whose logits are wanted), or with
+    at [B, n] the n rows x[b, at[b, j]] as [B, n, ...]; x if at is None."""
+    if at is None:
+        return x
+    rows = torch.arange(x.shape[0], device=x.device)
+    return x[rows, at][:, None] if at.dim() == 1 else x[rows[:, None], at]
 
 
 def kv_cache(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, k: torch.Tensor, v: torch.Tensor,

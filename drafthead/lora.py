@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.family import Family
-from drafthead.layers import apply_rope, shift, soft_cross_entropy, ttt_attention
+from drafthead.layers import apply_rope, shift, ttt_attention
+from drafthead.losses import LOSSES, Objective, draft_loss
 from drafthead.runtime.draft import CHAIN, ChainDraft
 
 ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # model_type -> transformers class prefix
@@ -259,16 +260,17 @@ class LoraDrafter(nn.Module):
         self.shallow = list(decoder_layers(target_model)[: self.config.exit_layer])
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
-                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None
-                ) -> dict[str, torch.Tensor]:
-        """Soft cross-entropy against the target's next-token distribution at every position whose next
-        token is an assistant token. aux_hidden [B, T, H] the input of layer E; teacher_probs [B, T, V]
-        (full vocabulary, position t predicts x_{t+1}); target_argmax [B, T]; input_ids [B, T].
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None,
+                objective: Objective | None = None) -> dict[str, Any]:
+        """The loss (`objective`: `train.loss`, None = kl) against the target's next-token distribution at every
+        position whose next token is an assistant token. aux_hidden [B, T, H] the input of layer E; teacher_probs
+        [B, T, V] (full vocabulary, position t predicts x_{t+1}); target_argmax [B, T]; input_ids [B, T].
 
         Depth i > 0 (the multi-step mode, num_draft_tokens > 1): row t's chain continues from the draft's
         own argmax of depth i-1, run through the target's frozen layers < E and the exit block as the
         runtime drafts it (attending to the teacher-forced entries 0..t and its own earlier depths), and
-        is scored against x_{t+1+i}. Returns `loss` and per depth `step_loss`, `correct`, `count` [K]."""
+        is scored against x_{t+1+i}. Returns `loss` and per depth `step_loss`, `correct`, `count` [K]; out of
+        training also `alpha` [K], the expected acceptance sum min(p, q) summed per depth."""
         c = self.config
         K = c.num_draft_tokens
         if teacher_probs.shape[-1] != c.vocab_size:
@@ -279,20 +281,25 @@ class LoraDrafter(nn.Module):
         masks = [shift(loss_mask, 1 + i).bool() for i in range(K)]  # [B, T] x_{t+1+i} is an assistant token
         T = input_ids.shape[1]
         total = aux_hidden.new_zeros((), dtype=torch.float32)
-        step_loss, correct, count = [], [], []
+        step_loss, correct, count, alphas = [], [], [], []
         for i, (b_i, t_i, logits) in enumerate(self.depths(input_ids, aux_hidden, masks)):
             scored = masks[i][b_i, t_i]  # [M] (the head also ran where only the next depth needs a token)
             t_next = (t_i + i).clamp(max=T - 1)  # [M] row (b, t+i) predicts x_{t+1+i}
             tgt = target_argmax[b_i, t_next]  # [M]
-            ce = soft_cross_entropy(logits, teacher_probs[b_i, t_next])  # [M]
+            ce, alpha = draft_loss(logits, teacher_probs[b_i, t_next], objective, not self.training)  # [M] each
             n = max(int(scored.sum()), 1)
             li = (ce * (scored & (tgt >= 0))).sum() / n
             total = total + (c.step_decay ** i) * li
             step_loss.append(li.detach())
             correct.append(((logits.detach().max(-1).indices == tgt) & scored).sum().float())
             count.append(scored.sum().float())
-        return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct),
-                "count": torch.stack(count)}
+            if alpha is not None:
+                alphas.append((alpha * scored).sum())
+        res = {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct),
+               "count": torch.stack(count)}
+        if alphas:
+            res["alpha"] = torch.stack(alphas).float()
+        return res
 
     def depths(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, masks: list[torch.Tensor]
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -517,7 +524,7 @@ def describe(options: LoraOptions, config: LoraDraftConfig) -> str:
 
 FAMILY = Family(
     name="lora", options=LoraOptions, config=LoraDraftConfig, model=LoraDrafter, build=build, init=init,
-    reduced_vocab=False, describe=describe,
+    losses=LOSSES, reduced_vocab=False, describe=describe,
     exporters={"peft": "drafthead.export.lora:export_peft", "hf": "drafthead.export.lora:export_hf",
                "gguf": "drafthead.export.lora:export_gguf"},
     readers={"peft": "drafthead.export.lora:read_peft"},

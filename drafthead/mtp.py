@@ -44,7 +44,8 @@ from torch import nn
 
 from drafthead.family import Family, OwnLayers
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, decoder_layer_shape, given, kv_cache,
-                              rope_cos_sin, shift, soft_cross_entropy, take_rows, ttt_attention)
+                              rope_cos_sin, shift, take_rows, ttt_attention)
+from drafthead.losses import LOSSES, Objective, draft_loss
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
 from drafthead.runtime.draft import CHAIN, TREE, DraftMode
 
@@ -365,9 +366,9 @@ class MtpDrafter(OwnLayers, nn.Module):
         return outs
 
     def forward(self, input_ids: torch.Tensor, last_hidden: torch.Tensor, teacher_probs: torch.Tensor,
-                target_argmax: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor | None = None
-                ) -> dict[str, torch.Tensor]:
-        """Weighted soft cross-entropy against the target over K depths.
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, aux_hidden: torch.Tensor | None = None,
+                objective: Objective | None = None) -> dict[str, Any]:
+        """Weighted loss against the target over K depths (`objective`: `train.loss`, None = kl).
 
         Args:
             input_ids: [B, T] target token ids (right-padded).
@@ -377,14 +378,15 @@ class MtpDrafter(OwnLayers, nn.Module):
             target_argmax: [B, T] target argmax at position j (-1 where unknown).
             loss_mask: [B, T] 1 on assistant tokens.
             aux_hidden: not read (MTP captures no aux layers).
-        Returns dict with `loss` (scalar) and per depth `step_loss`, `correct`, `count` ([K] each).
+        Returns dict with `loss` (scalar) and per depth `step_loss`, `correct`, `count` ([K] each); out of
+        training also `alpha` [K], the expected acceptance sum min(p, q) summed per depth.
         """
         c = self.config
         if teacher_probs.shape[-1] != c.vocab_size:
             raise ValueError(f"MTP teacher probabilities must cover the full target vocab ({c.vocab_size}), got "
                              f"{teacher_probs.shape[-1]}: build TargetHead without draft ids")
         total = last_hidden.new_zeros((), dtype=torch.float32)
-        step_loss, correct, count = [], [], []
+        step_loss, correct, count, alphas = [], [], [], []
         for k, out in enumerate(self.depth_hidden(input_ids, last_hidden)):
             m = self.layers[self.module_for(k)]
             mask_k = shift(loss_mask, 2 + k).bool()  # [B, T]  x_{t+2+k} is an assistant token
@@ -392,15 +394,20 @@ class MtpDrafter(OwnLayers, nn.Module):
             logits = m.shared_head.head(m.shared_head.norm(out[b_idx, t_idx]))  # [M, V] (loss in fp32)
             teach = teacher_probs[b_idx, t_idx + 1 + k]  # [M, V]
             tgt = target_argmax[b_idx, t_idx + 1 + k]  # [M]
-            ce = soft_cross_entropy(logits, teach)  # [M]
+            ce, alpha = draft_loss(logits, teach, objective, not self.training)  # [M] each (alpha: eval only)
             n = max(int(b_idx.numel()), 1)
             lk = (ce * (tgt >= 0)).sum() / n
             total = total + c.step_weights[k] * lk
             step_loss.append(lk.detach())
             correct.append((logits.detach().max(-1).indices == tgt).sum())
             count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
-        return {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
-                "count": torch.stack(count).float()}
+            if alpha is not None:
+                alphas.append(alpha.sum())
+        res = {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
+               "count": torch.stack(count).float()}
+        if alphas:
+            res["alpha"] = torch.stack(alphas).float()
+        return res
 
     # ---- inference: one module with a KV cache -------------------------------------------------
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
@@ -544,7 +551,7 @@ def describe(options: MtpOptions, config: MtpConfig) -> str:
 
 FAMILY = Family(
     name="mtp", options=MtpOptions, config=MtpConfig, model=MtpDrafter, build=build, init=init,
-    reduced_vocab=False, describe=describe,
+    losses=LOSSES, reduced_vocab=False, describe=describe,
     exporters={"hf": "drafthead.export.mtp:export_hf", "gguf": "drafthead.export.mtp:export_gguf"},
     readers={"hf": "drafthead.export.mtp:read_back"},
     renamed_keys={"num_modules": "num_draft_tokens"},

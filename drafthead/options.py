@@ -49,12 +49,17 @@ class DocLayoutError(ValueError):
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: its doc on one line} for the dataclass `cls` (fields without any doc are absent)."""
+    """{field: its doc on one line} for the dataclass `cls` (fields without any doc are absent); a field a dataclass
+    base declares keeps the base's doc unless `cls` declares it again."""
+    inherited: dict[str, str] = {}
+    for base in reversed(cls.__mro__[1:]):
+        if dataclasses.is_dataclass(base):
+            inherited.update(field_docs(base))
     docs = {f.name: " ".join(str(f.metadata["help"]).split()) for f in dataclasses.fields(cls) if "help" in f.metadata}
     try:
         src = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):  # made at run time (make_dataclass): metadata only
-        return docs
+        return {**inherited, **docs}
     tree = ast.parse(src).body[0]
     assert isinstance(tree, ast.ClassDef)
     trailing: dict[int, str] = {}  # line -> comment after code on it
@@ -82,7 +87,7 @@ def field_docs(cls: type) -> dict[str, str]:
             text += [t for _, t in below]
         if text and name not in docs:
             docs[name] = " ".join(" ".join(text).split())
-    return docs
+    return {**inherited, **docs}
 
 
 def _block(alone: dict[int, str], start: int, step: int) -> list[tuple[int, str]]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafthead import dflash, dspark, eagle3, lora, mtp
+from drafthead import dflash, dspark, eagle3, lora, mtp, peagle
 from drafthead.family import Family
 from drafthead.io import atomic_dir
 from drafthead.vocab import draft_ids
@@ -31,6 +31,7 @@ FAMILIES: dict[str, Family] = {
     "dflash": dflash.FAMILY,
     "dspark": dspark.FAMILY,
     "lora": lora.FAMILY,
+    "peagle": peagle.FAMILY,
 }
 # frozen copies of the target's tensors, taken back from the target on load: every family's token
 # embedding, and the output head of families that read through the target's own (DFlash)

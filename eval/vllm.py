@@ -287,7 +287,7 @@ def evaluate(python: Path, target: Any, conversations: list[list[str]], draft: s
         outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[str(dtype).removeprefix("torch.")]
         exported = export(draft, fmt, out / "vllm_draft" / fmt, outtype=outtype, **extra)
         runs["draft"] = run(python, model, None, max_new_tokens, f"draft ({fmt})",
-                            spec=speculative_config(method, exported, k), **common)
+                            spec=speculative_config(method, exported, k, **family.vllm_config), **common)
     runs["ngram"] = run(python, model, None, max_new_tokens, "ngram", spec=ngram_config(k, ngram_n), **common)
     greedy = temperature == 0.0
     base = runs["autoregressive"]

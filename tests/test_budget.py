@@ -3,12 +3,14 @@ small is a clear error naming the minimum; and train.py with a budget on a tiny 
 capture, planned vs actual recorded, a rerun keeps its plan)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from drafthead.trainer import budget
 from drafthead.trainer.probe import measure_rates
@@ -250,3 +252,35 @@ def test_train_with_a_budget_too_small_is_a_clear_error(tiny_llama_dir, tiny_sha
                                             r"budget.minutes >= 1 or budget.minutes=null"):
         train.main(tiny_args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt, **{"budget.minutes": 0.001}))
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_regeneration_time_is_planned():
+    """The target's answers cost answered x answer_tokens / regen_tok_s before the capture: by hand, and a plan
+    that must pay them takes fewer conversations and still fits."""
+    r = rates(*CLASSES["AVX512-BF16"])
+    r.regen_tok_s, r.answer_tokens, r.answerable_frac = 300.0, 200.0, 0.9
+    s = shape(regen_fraction=0.5, regen_heldout=64)
+    assert budget.regen_s(1000, r, s) == pytest.approx((1000 * 0.5 + 64) * 0.9 * 200.0 / 300.0)
+    assert budget.regen_s(1000, r, shape()) == 0.0  # regeneration off
+    plain = budget.make_plan(3600.0, 45.0, r, shape())
+    regen = budget.make_plan(3600.0, 45.0, r, s)
+    assert regen.conversations < plain.conversations and regen.est_s["total"] <= 3600 * budget.SAFETY
+    assert regen.est_s["regenerate"] > 0 and "target answers" in regen.line() and "300 tok/s" in regen.line()
+
+
+def test_regeneration_probe_times_the_answering_engine(tiny_llama_dir, tiny_sharegpt, tmp_path, monkeypatch):
+    """What the probe adds with data.regenerate.enabled: our runtime answering the recipe's prompts (tokens/s), the
+    expected answer length (the data's first answers, capped at max_new_tokens) and the share of prompts that fit."""
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "cache"))
+    from drafthead.target import load_target
+    from drafthead.trainer import regenerate
+    from drafthead.trainer.data import load_conversations
+    from drafthead.trainer.prepare import regenerate_options
+
+    cfg = load_config(tiny_args(tmp_path / "run", tiny_llama_dir, tiny_sharegpt,
+                                **{"data.regenerate.enabled": True, "data.regenerate.max_new_tokens": 64,
+                                   "data.regenerate.batch_size": 4}))
+    convs, _ = load_conversations(cfg.data.dataset, 16)
+    got = regenerate.measure(load_target(str(tiny_llama_dir), dtype="float32"), convs, regenerate_options(cfg))
+    assert got["regen_tok_s"] > 0 and 0 < got["answer_tokens"] <= 64 and 0 < got["answerable_frac"] <= 1
+    assert set(got) <= {f.name for f in dataclasses.fields(budget.Rates)}  # the probe passes them on as they are

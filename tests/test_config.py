@@ -128,3 +128,14 @@ def test_bad_ranges_and_argument_shape():
 def test_resume_accepts_bool_spellings():
     assert load_config(["train.resume=true"]).train.resume.lower() == "true"
     assert load_config(["train.resume=False"]).train.resume.lower() == "false"
+
+
+def test_train_loss_is_checked_against_the_family():
+    assert load_config(["train.loss=lk_hybrid"]).train.loss == "lk_hybrid"
+    assert load_config(["recipe=dflash_smollm2", "train.loss=lk_alpha"]).train.loss == "lk_alpha"
+    with pytest.raises(ConfigError, match=r"'train\.loss': 'ce' \(drafter\.family=eagle3 takes kl, lk_alpha"):
+        load_config(["train.loss=ce"])
+    with pytest.raises(ConfigError, match=r"'train\.loss': 'tv' \(drafter\.family=dspark trains its own loss"):
+        load_config(["recipe=dspark_smollm2", "train.loss=tv"])
+    with pytest.raises(ConfigError, match=r"'train\.lk_kl_scale'.*in \(0, 1\]"):
+        load_config(["train.loss=lk_hybrid", "train.lk_kl_scale=1.5"])

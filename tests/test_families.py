@@ -17,12 +17,13 @@ import torch
 
 from drafthead.export import ExportError, export
 from drafthead.family import resolve
+from drafthead.losses import Objective
 from drafthead.registry import FAMILIES, NOT_SAVED, draft_state_dict, load_draft, save_draft
 from drafthead.runtime.draft import DraftMode
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
 from drafthead.trainer.engines import TorchEngine
-from drafthead.trainer.step import evaluate, forward_backward, make_batch
+from drafthead.trainer.step import drafter_inputs, evaluate, forward_backward, make_batch
 from drafthead.trainer.config import load_config
 from drafthead.trainer.dist import Dist
 from drafthead.trainer.prepare import build_draft
@@ -38,7 +39,9 @@ SMALL = {"eagle3": ["drafter.eagle3.draft_vocab_size=128", "drafter.eagle3.num_d
                     "drafter.dflash.target_layer_ids=[0,2]"],
          "dspark": ["drafter.dspark.mask_token_id=2", "drafter.dspark.block_size=4", "drafter.dspark.num_layers=2",
                     "drafter.dspark.target_layer_ids=[0,2]", "drafter.dspark.markov_rank=8"],
-         "lora": ["drafter.lora.exit_layer=1", "drafter.lora.rank=4"]}
+         "lora": ["drafter.lora.exit_layer=1", "drafter.lora.rank=4"],
+         "peagle": ["drafter.peagle.draft_vocab_size=128", "drafter.peagle.num_draft_tokens=3",
+                    "drafter.peagle.mask_token_id=2", "capture.layer_ids=[1,2,3]"]}
 
 
 def samples(vocab: int, n: int = 4, length: int = 40, seed: int = 0) -> list[dict]:
@@ -113,6 +116,9 @@ def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
     assert losses[-1] < losses[0], losses
     res = evaluate(drafter, [batch], ds.head, Dist())  # the held-out eval reads every key the forward returns
     assert 0 <= res["eval/acc_0"] <= 1 and res["eval/sim_accept_len"] >= 1
+    assert ("eval/alpha_0" in res) == bool(fam.losses)  # the expected acceptance, from every family with losses
+    if fam.losses:
+        assert 0 < res["eval/alpha_0"] <= 1
     shared = [p for d in ("trainer", "eval", "drafthead/runtime", "drafthead/export") for p in (ROOT / d).glob("*.py")]
     shared += [p for p in (ROOT / "drafthead").glob("*.py") if p.stem not in FAMILIES and p.stem != "family"]
     for name, (num, den) in out.get("ratios", {}).items():  # the family's own metrics, none named by shared code
@@ -122,6 +128,29 @@ def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
     if "confidence_error" in out.get("ratios", {}):
         assert 0 <= res["eval/confidence_error"] <= 1
     drafter.load_state_dict(before)  # the other checks start from the built drafter
+
+
+def test_every_declared_loss_trains(built):
+    """Each `train.loss` the family declares gives a finite loss with a gradient; `kl` is the default to the bit."""
+    fam, ds, target = FAMILIES[built["name"]], built["ds"], built["target"]
+    if not fam.losses:
+        pytest.skip(f"{fam.name} trains its own loss only")
+    drafter = ds.drafter
+    batch = make_batch(built["train"], target, drafter.capture_layer_ids(), torch.float32, False,
+                       torch.device("cpu"), fam.reduced_vocab)
+    inputs = drafter_inputs(batch, ds.head)
+    torch.manual_seed(0)
+    base = drafter(**inputs)["loss"]
+    for name in fam.losses:
+        drafter.zero_grad()
+        torch.manual_seed(0)  # block drafters sample their anchors
+        loss = drafter(**inputs, objective=Objective(name))["loss"]
+        loss.backward()
+        grads = [p.grad for p in drafter.parameters() if p.requires_grad and p.grad is not None]
+        assert torch.isfinite(loss) and grads and any(float(g.abs().sum()) > 0 for g in grads), name
+        if name == "kl":
+            assert torch.equal(loss.detach(), base.detach())
+    drafter.zero_grad()
 
 
 def test_save_load_is_bit_identical(built):

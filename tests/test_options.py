@@ -30,6 +30,18 @@ class Ambiguous:
     b: int = 2
 
 
+@dataclass
+class Derived(Layouts):
+    c: int = 30  # c's own doc here
+    f: bool = False  # f's doc
+
+
+def test_a_subclass_keeps_its_bases_docs_and_declares_its_own():
+    docs = options.field_docs(Derived)
+    assert docs["a"] == "a's doc which continues here" and docs["e"] == "e's doc, declared"
+    assert docs["c"] == "c's own doc here" and docs["f"] == "f's doc"
+
+
 def test_docs_come_from_the_comments_beside_or_above_each_option():
     docs = options.field_docs(Layouts)
     assert docs == {"a": "a's doc which continues here", "b": "b's doc", "b2": "b2's doc, above it", "c": "c's doc",

@@ -39,6 +39,12 @@ class Rates:
     available: int | None = None  # training conversations the source holds (after the held-out ones)
     cpu_class: str = ""
     dtype: str = ""
+    # target-written answers (data.regenerate): new tokens/s of the engine that writes them (None: not measured,
+    # regeneration off), new tokens an answer is expected to take, and the share of conversations answered
+    # (first prompts longer than data.regenerate.max_prompt_tokens keep their answers)
+    regen_tok_s: float | None = None
+    answer_tokens: float = 0.0
+    answerable_frac: float = 1.0
 
 
 @dataclass
@@ -59,10 +65,12 @@ class Plan:
     def line(self) -> str:
         r = self.rates
         chose = f"chose {', '.join(self.chosen)}" if self.chosen else "all given"
+        regen = (f", target answers {self.est_s.get('regenerate', 0) / 60:.1f} min at {r.regen_tok_s:.0f} tok/s"
+                 if r.regen_tok_s else "")
         return (f"plan: {self.conversations} conversations ({self.tokens / 1000:.0f}k tokens), "
                 f"{self.passes:g} passes, {self.steps} steps, est. {self.est_s['total'] / 60:.1f} min of "
                 f"{self.budget_s / 60:g} on this machine ({r.cpu_class}, {r.dtype}): capture "
-                f"{r.capture_tok_s:.0f} tok/s, train {r.train_tok_s:.0f} tok/s [{chose}]")
+                f"{r.capture_tok_s:.0f} tok/s, train {r.train_tok_s:.0f} tok/s{regen} [{chose}]")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,6 +93,8 @@ class Shape:
     passes: float | None = None  # train.epochs if given
     max_steps: int | None = None  # train.max_steps if given
     chosen: list[str] = field(default_factory=list)
+    regen_fraction: float = 0.0  # share of training conversations the target answers (0: regeneration off)
+    regen_heldout: int = 0  # held-out conversations the target answers too
 
 
 def _count_every(steps: int, every: int) -> int:
@@ -117,11 +127,21 @@ def estimate(conversations: int, passes: float, r: Rates, s: Shape, setup_s: flo
     parts = {
         "setup": setup_s,
         "prepare": conversations * r.prep_s_per_conv,
+        "regenerate": regen_s(conversations, r, s),
         "capture": tokens / r.capture_tok_s + heldout_tokens / r.capture_tok_s,  # + held-out features, once
         **_training_s(steps, steps * step_tokens, r, s),
     }
     parts["total"] = sum(parts.values())
     return parts
+
+
+def regen_s(conversations: int, r: Rates, s: Shape) -> float:
+    """Seconds the target spends writing answers: the answerable share of the chosen training conversations
+    (and the held-out ones, when those are answered too) times the new tokens an answer takes."""
+    if not r.regen_tok_s or not (s.regen_fraction or s.regen_heldout):
+        return 0.0
+    answered = (conversations * s.regen_fraction + s.regen_heldout) * r.answerable_frac
+    return answered * r.answer_tokens / r.regen_tok_s
 
 
 def _largest(fits: Callable[[int], bool]) -> int:
@@ -262,9 +282,12 @@ def plan_matches(plan: Plan, budget_s: float, s: Shape) -> bool:
 
 def shape_of(cfg: Any) -> Shape:
     eval_samples = min(cfg.train.eval_samples or cfg.data.num_holdout, cfg.data.num_holdout)
+    rg = cfg.data.regenerate
     return Shape(batch_size=cfg.train.batch_size, grad_accum=cfg.train.grad_accum, eval_every=cfg.train.eval_every,
                  save_every=cfg.train.save_every, eval_samples=eval_samples, max_passes=cfg.budget.max_passes,
-                 conversations=cfg.data.max_samples, passes=cfg.train.epochs, max_steps=cfg.train.max_steps)
+                 conversations=cfg.data.max_samples, passes=cfg.train.epochs, max_steps=cfg.train.max_steps,
+                 regen_fraction=rg.fraction if rg.enabled else 0.0,
+                 regen_heldout=cfg.data.num_holdout if rg.enabled and rg.heldout else 0)
 
 
 def budget_record(plan: Plan | None, phases: dict[str, float], steps: int, tokens: int) -> dict:

@@ -101,6 +101,10 @@ class TrainConfig:
     warmup_ratio: float = 0.015  # share of the steps spent warming up linearly
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 0.5  # max gradient norm (0 = off)
+    loss: str | None = None  # kl | lk_alpha | lk_hybrid | tv (docs/training.md, losses); null = the family's own
+    # (kl, or DSpark's CE / TV mix)
+    lk_eta: float = 3.0  # lk_hybrid: lambda = lk_kl_scale * exp(-lk_eta * alpha), per position
+    lk_kl_scale: float = 1.0  # lk_hybrid: lambda where the draft accepts nothing, in (0, 1]
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     dtype: str = "auto"  # auto = bf16 where native (CUDA, AMX / AVX512-BF16 CPUs), fp32 elsewhere
     deepspeed: str | None = None  # null, a name under recipes/deepspeed/ (e.g. zero2) or a path
@@ -233,6 +237,10 @@ def validate(cfg: RunConfig) -> None:
     dc = cfg.drafter
     if dc.family not in FAMILIES:
         raise ConfigError(f"bad value for 'drafter.family': {dc.family!r} (choose from {', '.join(FAMILIES)})")
+    losses = FAMILIES[dc.family].losses
+    if cfg.train.loss is not None and cfg.train.loss not in losses:
+        takes = f"takes {', '.join(losses)} or null" if losses else "trains its own loss only: leave it null"
+        raise ConfigError(f"bad value for 'train.loss': {cfg.train.loss!r} (drafter.family={dc.family} {takes})")
     try:
         getattr(dc, dc.family).validate()
     except ValueError as e:  # "<key>: <why>" from the family's options
@@ -281,6 +289,8 @@ def _range_checks(cfg: RunConfig) -> list[tuple[str, Any, Any, str]]:
               ("train.keep_checkpoints", t.keep_checkpoints, *pos), ("train.eval_every", t.eval_every, *nonneg),
               ("train.eval_samples", t.eval_samples, *pos), ("train.stop_after_steps", t.stop_after_steps, *pos),
               ("train.num_threads", t.num_threads, *pos),
+              ("train.lk_eta", t.lk_eta, *nonneg),
+              ("train.lk_kl_scale", t.lk_kl_scale, lambda v: 0 < v <= 1, "in (0, 1]"),
               ("train.betas", t.betas, lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two values in [0, 1)"),
               ("data.num_holdout", d.num_holdout, *nonneg),
               ("data.regenerate.fraction", r.fraction, lambda v: 0 < v <= 1, "in (0, 1]"),

@@ -64,15 +64,20 @@ def _regenerate(cfg: RunConfig, target: Target, convs: list, d: Dist, run_dir: P
     out = run_dir / f"regenerated-{tag}{digest}.jsonl"
     if d.main:
         log(f"regenerating {len(chosen)} of {len(convs)} conversations with the target -> {out}")
-        opts = tregen.AnswerOptions(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
-                                   batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
-                                   chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking,
-                                   max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1),
-                                   engine=rc.engine, vllm_python=rc.vllm_python)
-        tregen.regenerate(target, chosen, str(out), opts)
+        tregen.regenerate(target, chosen, str(out), regenerate_options(cfg))
     barrier(d)
     regen = {c.id: c for c in tdata.read_jsonl(out)}
     return [regen.get(c.id, c) if i in pick else c for i, c in enumerate(convs)]
+
+
+def regenerate_options(cfg: RunConfig) -> tregen.AnswerOptions:
+    """`data.regenerate` as the answering engine's options (the run's regeneration and the budget's probe)."""
+    rc = cfg.data.regenerate
+    return tregen.AnswerOptions(max_new_tokens=rc.max_new_tokens, temperature=rc.temperature, top_p=rc.top_p,
+                                batch_size=rc.batch_size, seed=cfg.seed, max_turns=rc.max_turns,
+                                chat_template=cfg.data.chat_template, enable_thinking=cfg.data.enable_thinking,
+                                max_prompt_tokens=rc.max_prompt_tokens or max(cfg.data.max_length - 32, 1),
+                                engine=rc.engine, vllm_python=rc.vllm_python)
 
 
 @dataclass

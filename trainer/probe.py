@@ -14,10 +14,11 @@ import torch
 from drafthead.io import atomic_write_json
 from drafthead.trainer.budget import (PLAN_FILE, STEP_REFIT_AT, BudgetError, Plan, Rates, load_plan, make_plan,
                                       plan_matches, refit_passes, refit_steps, shape_of)
+from drafthead.trainer import regenerate
 from drafthead.trainer.checkpoint import rng_state, set_rng_state
 from drafthead.trainer.dist import Dist, barrier
 from drafthead.trainer.engines import TorchEngine
-from drafthead.trainer.step import evaluate, forward_backward, make_batch
+from drafthead.trainer.step import evaluate, forward_backward, make_batch, objective
 
 
 def shared_plan(d: Dist, run_dir: Path, decide: Callable[[], Plan]) -> Plan:
@@ -138,7 +139,7 @@ def probe(cfg: Any, target: Any, device: torch.device) -> Rates:
 
     from drafthead.hardware import cpu_class, resolve_dtype_name
     from drafthead.trainer.data import load_conversations, tokenize_conversations
-    from drafthead.trainer.prepare import build_draft, feature_dtype
+    from drafthead.trainer.prepare import build_draft, feature_dtype, regenerate_options
 
     dc, n = cfg.data, cfg.budget.probe_samples
     every, _ = load_conversations(dc.dataset, None)  # a few seconds for ShareGPT; the plan is capped by it
@@ -152,15 +153,18 @@ def probe(cfg: Any, target: Any, device: torch.device) -> Rates:
         ds = build_draft(cfg, target, samples, device, log=lambda *a: None)
         engine = TorchEngine(ds.drafter, cfg, 1000, Dist(device=device))
         layer_ids, fdt = ds.drafter.capture_layer_ids(), feature_dtype(cfg.capture.dtype)
+        goal = objective(cfg.train)
         with tempfile.TemporaryDirectory() as tmp:
             got = measure_rates(
                 samples, cfg.train.batch_size, cfg.budget.probe_batches,
                 features=lambda g: make_batch(g, target, layer_ids, fdt, False, device, ds.d2t is not None),
-                step=lambda fb: (forward_backward(engine, fb, ds.head, cfg.train.dtype, device), engine.step()),
-                eval_forward=lambda fb: evaluate(ds.drafter, [fb], ds.head, Dist(device=device)),
+                step=lambda fb: (forward_backward(engine, fb, ds.head, cfg.train.dtype, device, goal), engine.step()),
+                eval_forward=lambda fb: evaluate(ds.drafter, [fb], ds.head, Dist(device=device), goal),
                 save=lambda: engine.save(Path(tmp)))
     finally:
         set_rng_state(rng)
+    if dc.regenerate.enabled:  # the target's answers cost time before the capture: measured, then planned
+        got.update(regenerate.measure(target, convs, regenerate_options(cfg)))
     return Rates(**got, tokens_per_sample=sum(len(s["input_ids"]) for s in samples) / len(samples),
                  usable_frac=len(samples) / len(convs), prep_s_per_conv=prep_s,
                  available=max(len(every) - dc.num_holdout, 0), cpu_class=cpu_class(),

@@ -240,3 +240,37 @@ def regenerate(target, convs: list[Conversation], out_path: str, opts: AnswerOpt
         print(f"regenerate: {len(todo)} conversations, {new_tokens} new tokens in {took:.1f} s "
               f"({new_tokens / max(took, 1e-9):.1f} tok/s, engine start included)", flush=True)
     return [done[c.id] for c in convs if c.id in done]
+
+
+PROBE_NEW_TOKENS = 32  # new tokens a probe batch decodes: enough for the loop's steady rate, a few seconds
+
+
+def measure(target, convs: list[Conversation], opts: AnswerOptions) -> dict[str, float]:
+    """What the time budget needs to plan regeneration (trainer/budget.py `Rates`): the engine's new tokens/s at
+    `opts.batch_size` (one warm-up batch, then one timed batch of PROBE_NEW_TOKENS each), the new tokens an answer
+    is expected to take (the data's first answers, capped at `max_new_tokens`: the target's own are often shorter,
+    which the run's re-fit after capture takes back), and the share of conversations whose first prompt fits."""
+    import dataclasses
+
+    tok = target.tokenizer
+    todo, long_prompts = _prompts_to_answer(tok, convs, {}, opts)
+    if not todo:
+        return {"regen_tok_s": 0.0, "answer_tokens": 0.0, "answerable_frac": 0.0}
+    lengths = []
+    for c in convs:
+        first = next((m["content"] for m in c.messages if m["role"] == "assistant"), "")
+        lengths.append(min(opts.max_new_tokens, len(tok(first, add_special_tokens=False)["input_ids"])))
+    short = dataclasses.replace(opts, max_new_tokens=PROBE_NEW_TOKENS, max_turns=1)
+    answer = _Answerer(target, short)
+    side, tok.padding_side = tok.padding_side, "left"
+    try:
+        with answer:
+            batches = [todo[i * opts.batch_size:(i + 1) * opts.batch_size] for i in range(2)]
+            _answer_batch(batches[0], tok, answer, short, None, opts.seed)  # warm-up: kernels, caches
+            t = time.perf_counter()
+            _, n = _answer_batch(batches[1] or batches[0], tok, answer, short, None, opts.seed)
+            took = time.perf_counter() - t
+    finally:
+        tok.padding_side = side
+    return {"regen_tok_s": n / max(took, 1e-9), "answer_tokens": sum(lengths) / len(lengths),
+            "answerable_frac": len(todo) / (len(todo) + long_prompts)}

@@ -43,7 +43,7 @@ from drafthead.trainer.metrics import Logger, Throughput
 from drafthead.trainer.prepare import Prepared, build_draft, feature_dtype, prepare_samples
 from drafthead.trainer.probe import StepClock, plan_run, refit_after_capture
 from drafthead.trainer.runlock import run_lock_on_rank0
-from drafthead.trainer.step import epoch_batches, evaluate, forward_backward, make_batch
+from drafthead.trainer.step import epoch_batches, evaluate, forward_backward, make_batch, objective
 
 
 def main(argv: list[str], entry: str = "drafthead train") -> Path:
@@ -302,7 +302,7 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
                                     cfg.train.batch_tokens)
             for bi in range(state["batch_in_epoch"], len(batches)):
                 batch = feats.batch(batches[bi], target, d.device)
-                out = forward_backward(engine, batch, head, cfg.train.dtype, d.device)
+                out = forward_backward(engine, batch, head, cfg.train.dtype, d.device, objective(cfg.train))
                 ntok = int(batch["attention_mask"].sum())
                 tput.add(ntok)
                 state["tokens_seen"] += ntok
@@ -331,11 +331,12 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
                 t_side = time.perf_counter()
                 if feats.eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0)
                                            or step == total_steps):
-                    last_eval = evaluate(engine.module, feats.eval_batches, head, d)
+                    last_eval = evaluate(engine.module, feats.eval_batches, head, d, objective(cfg.train))
                     logger.log({"step": step, **last_eval, "wall_s": round(job.elapsed(), 1)})
                     said = (fam.eval_summary(last_eval) if fam.eval_summary else
                             f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
-                    log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}, {said}")
+                    alpha = f", alpha_0 {last_eval['eval/alpha_0']:.3f}" if "eval/alpha_0" in last_eval else ""
+                    log(f"\nstep {step}: held-out acc_0 {last_eval['eval/acc_0']:.3f}{alpha}, {said}")
                     heap_cap.trim()
                     clock.spent("eval", time.perf_counter() - t_side)
                 t_side = time.perf_counter()

@@ -13,6 +13,7 @@ from torch import nn
 
 from drafthead.hardware import DTYPES, resolve_dtype
 from drafthead.layers import softmax_floored
+from drafthead.losses import Objective
 from drafthead.target import Target, TargetHead
 from drafthead.trainer.capture import collate, collate_features, features_for_batch
 from drafthead.trainer.dist import Dist, all_reduce_data
@@ -89,18 +90,28 @@ def make_batch(items: list[Any], target: Target, layer_ids: list[int], feat_dtyp
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead) -> dict[str, torch.Tensor]:
-    """The training forward's arguments (the same for every family; each reads the features it needs)."""
+def objective(train: Any) -> Objective | None:
+    """`train.loss` (+ its knobs) as the training forward's `objective`; None = the family's own loss."""
+    return None if train.loss is None else Objective(train.loss, train.lk_eta, train.lk_kl_scale)
+
+
+def drafter_inputs(batch: dict[str, torch.Tensor], head: TargetHead, objective: Objective | None = None
+                   ) -> dict[str, Any]:
+    """The training forward's arguments (the same for every family; each reads the features it needs).
+    `objective` goes in only when `train.loss` names one: families without `losses` never receive it."""
     teacher, tgt = teacher_targets(head, batch["last"], batch["loss_mask"], batch.get("argmax"))
-    return {"input_ids": batch["input_ids"], "aux_hidden": batch["aux"], "last_hidden": batch["last"],
-            "teacher_probs": teacher, "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
+    args: dict[str, Any] = {"input_ids": batch["input_ids"], "aux_hidden": batch["aux"], "last_hidden": batch["last"],
+                            "teacher_probs": teacher, "target_argmax": tgt, "loss_mask": batch["loss_mask"]}
+    if objective is not None:
+        args["objective"] = objective
+    return args
 
 
 def forward_backward(engine: Any, batch: dict[str, torch.Tensor], head: TargetHead, dtype: str,
-                     device: torch.device) -> dict[str, torch.Tensor]:
+                     device: torch.device, objective: Objective | None = None) -> dict[str, torch.Tensor]:
     """One micro-step: teacher targets, drafter forward under the run's precision, backward."""
     with autocast(dtype, device, engine.kind):
-        out = engine.forward(**drafter_inputs(batch, head))
+        out = engine.forward(**drafter_inputs(batch, head, objective))
     engine.backward(out["loss"])
     return out
 
@@ -118,19 +129,21 @@ def autocast(dtype: str, device: torch.device, engine_kind: str):
 # ---------------------------------------------------------------------------------------------
 # evaluation: TTT accuracies on held-out data, simulated acceptance length
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: TargetHead, d: Dist
-             ) -> dict[str, float]:
-    """Held-out acc_k, loss and the simulated accept length, plus every ratio the drafter returns (`Drafter`:
-    `ratios`, summed over batches and ranks before dividing)."""
+def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: TargetHead, d: Dist,
+             objective: Objective | None = None) -> dict[str, float]:
+    """Held-out acc_k, loss (under the run's objective) and the simulated accept length, plus every ratio the
+    drafter returns (`Drafter`: `ratios`, summed over batches and ranks before dividing; alpha_k among them)."""
     was = model.training
     model.eval()
-    correct = count = loss = None
+    correct = count = loss = alpha = None
     ratios: dict[str, torch.Tensor] = {}  # name -> [2, ...] numerator, denominator
     nb = 0
     for batch in batches:
-        out = model(**drafter_inputs(batch, head))
+        out = model(**drafter_inputs(batch, head, objective))
         correct = out["correct"] if correct is None else correct + out["correct"]
         count = out["count"] if count is None else count + out["count"]
+        if "alpha" in out:
+            alpha = out["alpha"] if alpha is None else alpha + out["alpha"]
         loss = out["loss"].detach() if loss is None else loss + out["loss"].detach()
         for name, (num, den) in out.get("ratios", {}).items():
             got = torch.stack([num.detach(), den.detach()]).double().cpu()
@@ -146,6 +159,9 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
         prod *= a
         sim += prod
     res = {f"eval/acc_{i}": a for i, a in enumerate(acc)}
+    if alpha is not None:  # the expected acceptance under sampling, beside the greedy acc_k
+        res.update({f"eval/alpha_{i}": a for i, a in enumerate((all_reduce_data(alpha, d) / count.clamp(min=1))
+                                                                 .tolist())})
     res["eval/loss"] = float(all_reduce_data(loss, d)) / (nb * d.dp)
     res["eval/sim_accept_len"] = sim  # 1 (bonus token) + sum_k prod_{i<=k} acc_i
     for name, got in ratios.items():

@@ -107,8 +107,10 @@ class ExportConfig:
     # for the vLLM / SGLang layouts (fp16 beside an fp16 target), f32 for GGUF, the target's own for MTP's hf
     verifier: str | None = None  # speculators: the verifier the config names (default: the target's public id);
     # offline, a local HF directory of the target
-    num_draft_tokens: int | None = None  # speculators (EAGLE3): the draft length the config proposes (default 3)
-    store_embedding: bool | None = None  # speculators (EAGLE3): also write the target's token embedding (false)
+    num_draft_tokens: int | None = None  # speculators (EAGLE3, P-EAGLE): the draft length the config proposes
+    # (default 3; P-EAGLE: the K it was trained with, at most that)
+    store_embedding: bool | None = None  # speculators (EAGLE3, P-EAGLE): also write the target's token embedding
+    # (false)
 
 
 COMMAND_KEYS = ("draft", "to", "out", "target", "allow_target_mismatch")  # the rest are the formats' own options

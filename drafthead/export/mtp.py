@@ -46,7 +46,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from drafthead.export.common import ExportError, check_gguf_out, default_mode, read_gguf_metadata
+from drafthead.export.common import (SAFETENSORS_DTYPES, ExportError, check_gguf_out, default_mode,
+                                     read_gguf_metadata)
 from drafthead.io import atomic_dir, writing
 from drafthead.mtp import MtpConfig, MtpDrafter
 from drafthead.mtp_native import layout, native_prefixes, to_native, to_ours
@@ -56,7 +57,6 @@ from drafthead.registry import LoadedDraft, save_draft
 GGUF_ARCHS = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
 GGUF_MAX_LAYERS = {"qwen35": 1}  # src/models/qwen35.cpp: "QWEN35 MTP currently only supports a single MTP block"
 GGUF_OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
-HF_OUTTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 MTP_SHARD = "model-mtp.safetensors"
 INDEX = "model.safetensors.index.json"
 # block fields the engines take from the target config, not from ours: they must agree
@@ -196,9 +196,10 @@ def _read_tensor(folder: Path, weight_map: dict[str, str], key: str) -> torch.Te
 def _mtp_dtype(tgt: TargetCheckpoint, outtype: str | None) -> torch.dtype | None:
     """outtype, else the dtype the target checkpoint declares (None = keep the draft's)."""
     if outtype is not None:
-        if outtype not in HF_OUTTYPES:
-            raise ExportError(f"outtype={outtype!r} is not available for to=hf; choose one of {sorted(HF_OUTTYPES)}")
-        return HF_OUTTYPES[outtype]
+        if outtype not in SAFETENSORS_DTYPES:
+            raise ExportError(f"outtype={outtype!r} is not available for to=hf; "
+                              f"choose one of {sorted(SAFETENSORS_DTYPES)}")
+        return SAFETENSORS_DTYPES[outtype]
     declared = tgt.config.get("dtype") or tgt.config.get("torch_dtype")
     if declared is None and isinstance(tgt.config.get("text_config"), dict):
         declared = tgt.config["text_config"].get("dtype") or tgt.config["text_config"].get("torch_dtype")
