@@ -130,6 +130,15 @@ def mask_token_problem(mask_token_id: int, vocab_size: int) -> str | None:
     return None
 
 
+def mask_token_in_data(family: str, mask_token_id: int, samples: list[dict]) -> list[str]:
+    """The data check of a mask token (a drafter's `check_data`): the samples that hold it, as one problem."""
+    hits = [s.get("id", i) for i, s in enumerate(samples) if mask_token_id in s["input_ids"]]
+    if hits:
+        return [f"drafter.{family}.mask_token_id={mask_token_id} occurs in {len(hits)} training sample(s) "
+                f"(first: {hits[0]}): choose a token id the data never holds"]
+    return []
+
+
 class DflashAttention(nn.Module):
     """Qwen3 attention (q/k RMSNorm per head) over [context keys; block keys]."""
 
@@ -223,12 +232,7 @@ class DflashDrafter(OwnLayers, nn.Module):
 
     def check_data(self, samples: list[dict]) -> list[str]:
         """The mask token must never occur in the data (a block could not tell a mask slot from that token)."""
-        m = self.config.mask_token_id
-        hits = [s.get("id", i) for i, s in enumerate(samples) if m in s["input_ids"]]
-        if hits:
-            return [f"drafter.{self.family}.mask_token_id={m} occurs in {len(hits)} training sample(s) "
-                    f"(first: {hits[0]}): choose a token id the data never holds"]
-        return []
+        return mask_token_in_data(self.family, self.config.mask_token_id, samples)
 
     @property
     def draft_modes(self) -> dict[str, DraftMode]:

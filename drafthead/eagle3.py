@@ -24,7 +24,7 @@ from drafthead.family import Family, OwnLayers
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, decoder_layer_shape, given, kv_cache,
                               one_call_layer, project, rope_cos_sin, shift, take_rows,
                               ttt_attention)
-from drafthead.losses import LOSSES, Objective, draft_loss
+from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
 from drafthead.runtime.draft import CHAIN, TREE
 from drafthead.vocab import target_to_draft
 
@@ -286,11 +286,8 @@ class Eagle3Drafter(OwnLayers, nn.Module):
             count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
             if alpha is not None:
                 alphas.append(alpha.sum())
-        out = {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
-               "count": torch.stack(count).float()}
-        if alphas:
-            out["alpha"] = torch.stack(alphas).float()
-        return out
+        return with_alpha({"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
+                           "count": torch.stack(count).float()}, alphas)
 
     def step_inputs(self, i: int, input_ids: torch.Tensor, hidden: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

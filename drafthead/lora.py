@@ -27,7 +27,7 @@ from torch import nn
 
 from drafthead.family import Family
 from drafthead.layers import apply_rope, shift, ttt_attention
-from drafthead.losses import LOSSES, Objective, draft_loss
+from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
 from drafthead.runtime.draft import CHAIN, ChainDraft
 
 ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # model_type -> transformers class prefix
@@ -295,11 +295,8 @@ class LoraDrafter(nn.Module):
             count.append(scored.sum().float())
             if alpha is not None:
                 alphas.append((alpha * scored).sum())
-        res = {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct),
-               "count": torch.stack(count)}
-        if alphas:
-            res["alpha"] = torch.stack(alphas).float()
-        return res
+        return with_alpha({"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct),
+                           "count": torch.stack(count)}, alphas)
 
     def depths(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, masks: list[torch.Tensor]
                ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

@@ -101,3 +101,11 @@ def draft_loss(logits: torch.Tensor, probs: torch.Tensor, objective: Objective |
     entropy = -torch.special.xlogy(probs, probs).sum(-1)  # [M]
     lam = objective.kl_scale * torch.exp(-objective.eta * alpha.detach())  # [M]
     return lam * (ce - entropy) + (1 - lam) * (1 - alpha), alpha.detach()
+
+
+def with_alpha(out: dict, alphas: list[torch.Tensor]) -> dict:
+    """A training forward's result with "alpha" [K] (the per-depth sums `draft_loss` gave out of training) added
+    when there are any: what the held-out eval reads as `eval/alpha_<k>`."""
+    if alphas:
+        out["alpha"] = torch.stack(alphas).float()
+    return out

@@ -45,7 +45,7 @@ from torch import nn
 from drafthead.family import Family, OwnLayers
 from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, decoder_layer_shape, given, kv_cache,
                               rope_cos_sin, shift, take_rows, ttt_attention)
-from drafthead.losses import LOSSES, Objective, draft_loss
+from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
 from drafthead.runtime.draft import CHAIN, TREE, DraftMode
 
@@ -403,11 +403,8 @@ class MtpDrafter(OwnLayers, nn.Module):
             count.append(torch.tensor(b_idx.numel(), device=input_ids.device))
             if alpha is not None:
                 alphas.append(alpha.sum())
-        res = {"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
-               "count": torch.stack(count).float()}
-        if alphas:
-            res["alpha"] = torch.stack(alphas).float()
-        return res
+        return with_alpha({"loss": total, "step_loss": torch.stack(step_loss), "correct": torch.stack(correct).float(),
+                           "count": torch.stack(count).float()}, alphas)
 
     # ---- inference: one module with a KV cache -------------------------------------------------
     def decode(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

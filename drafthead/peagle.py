@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead import eagle3
-from drafthead.dflash import mask_token_problem
+from drafthead.dflash import mask_token_in_data, mask_token_problem
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Options
 from drafthead.family import Family
 from drafthead.layers import take_rows
@@ -82,12 +82,7 @@ class PeagleDrafter(Eagle3Drafter):
 
     def check_data(self, samples: list[dict]) -> list[str]:
         """The mask token must never occur in the data: a real entry holding it would look like a mask entry."""
-        m = self.config.mask_token_id
-        hits = [s.get("id", i) for i, s in enumerate(samples) if m in s["input_ids"]]
-        if hits:
-            return [f"drafter.peagle.mask_token_id={m} occurs in {len(hits)} training sample(s) (first: {hits[0]}): "
-                    f"choose a token id the data never holds"]
-        return []
+        return mask_token_in_data(self.family, self.config.mask_token_id, samples)
 
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any:
         return ParallelRunner(self, batch, capacity, device)

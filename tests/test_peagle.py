@@ -157,6 +157,13 @@ def test_export_fields(saved, tmp_path):
     w = load_file(str(tmp_path / "e" / "model.safetensors"))
     assert w["mask_hidden"].shape == (1, 1, len(AUX) * drafter.config.target_hidden_size)
     assert w["mask_hidden"].dtype == torch.bfloat16  # the serving dtype by default
+    from drafthead.export.peagle import load_exported
+
+    cfg = json.loads((tmp_path / "e" / "config.json").read_text())
+    del cfg["mask_token_id"]  # an EAGLE3 export, as far as the reader can tell
+    (tmp_path / "e" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ExportError, match=r"not a P-EAGLE export \(config.json mask_token_id and the mask_hidden"):
+        load_exported(tmp_path / "e")
     with pytest.raises(ExportError, match=r"proposes 1\.\.3 tokens"):
         export(ddir, "speculators", tmp_path / "bad", num_draft_tokens=K + 1)
     assert not (tmp_path / "bad").exists()
