@@ -286,6 +286,7 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
 
     cfg, d, log = job.cfg, job.d, job.log
     fam = family(cfg.drafter.family)
+    goal = objective(cfg.train)  # `train.loss` for every step and held-out eval of the loop
     step = state.pop("step")
     bar = tqdm(total=total_steps, initial=step, desc="train", disable=not (d.main and cfg.logging.progress),
                dynamic_ncols=True)
@@ -302,7 +303,7 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
                                     cfg.train.batch_tokens)
             for bi in range(state["batch_in_epoch"], len(batches)):
                 batch = feats.batch(batches[bi], target, d.device)
-                out = forward_backward(engine, batch, head, cfg.train.dtype, d.device, objective(cfg.train))
+                out = forward_backward(engine, batch, head, cfg.train.dtype, d.device, goal)
                 ntok = int(batch["attention_mask"].sum())
                 tput.add(ntok)
                 state["tokens_seen"] += ntok
@@ -331,7 +332,7 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
                 t_side = time.perf_counter()
                 if feats.eval_batches and ((cfg.train.eval_every and step % cfg.train.eval_every == 0)
                                            or step == total_steps):
-                    last_eval = evaluate(engine.module, feats.eval_batches, head, d, objective(cfg.train))
+                    last_eval = evaluate(engine.module, feats.eval_batches, head, d, goal)
                     logger.log({"step": step, **last_eval, "wall_s": round(job.elapsed(), 1)})
                     said = (fam.eval_summary(last_eval) if fam.eval_summary else
                             f"simulated accept len {last_eval['eval/sim_accept_len']:.2f}")
