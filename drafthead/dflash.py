@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, Self
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,9 @@ from torch.utils.checkpoint import checkpoint
 from drafthead.family import Family, OwnLayers
 from drafthead.layers import RMSNorm, SwiGLU, apply_rope, decoder_layer_shape, given, rope_cos_sin
 from drafthead.losses import LOSSES, Objective, draft_loss
-from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, Proposal, chain_proposal
+from drafthead.runtime.contract import (ChainDraft, DraftMode, DraftState, Proposal, SessionView, SpecConfig,
+                                        TargetLayers, inference)
+from drafthead.runtime.draft import CHAIN, chain_proposal
 
 
 @dataclass
@@ -114,7 +116,7 @@ class DflashConfig:
         return self.block_size - 1
 
     @classmethod
-    def from_target(cls, tcfg: Any, **overrides: Any) -> "DflashConfig":
+    def from_target(cls, tcfg: Any, **overrides: Any) -> Self:
         """Layers sized like the target's (z-lab does the same for its Qwen3 drafts)."""
         return cls(**decoder_layer_shape(tcfg), **given(overrides))
 
@@ -239,7 +241,7 @@ class DflashDrafter(OwnLayers, nn.Module):
         """One mode: a block forward proposes every slot (BLOCK, below with its runner)."""
         return {"block": BLOCK}
 
-    def draft_state(self, batch: int, capacity: int, device: torch.device) -> "BlockRunner":
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> "BlockState":  # mypy checks it
         return BlockRunner(self, batch, capacity, device)
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
@@ -418,6 +420,13 @@ def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int,
 
 
 # ---- inference: block proposals over a static context cache ----------------------------------------
+class BlockState(DraftState, Protocol):
+    """What mode "block" calls: one draft forward proposes the first k slots of a block."""
+
+    def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None
+              ) -> ChainDraft: ...
+
+
 class BlockRunner:
     """Drafting state for a batch: per-layer context K/V (one entry per verified target position) and the
     block proposal. Same interface as the chain runners (`extend`, `select`), plus `block`."""
@@ -431,7 +440,7 @@ class BlockRunner:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(c.num_hidden_layers)]
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # context entries per request
 
-    def bind(self, model: Any, session: Any) -> None:
+    def bind(self, target: TargetLayers, session: SessionView) -> None:
         """Nothing to keep: this drafter runs its own layers (the runtime calls this on every draft state)."""
 
     def select(self, rows: torch.Tensor) -> None:
@@ -439,7 +448,7 @@ class BlockRunner:
         self.v = [v[rows] for v in self.v]
         self.lens = self.lens[rows]
 
-    @torch.inference_mode()
+    @inference
     def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
         """Append context entries: feats [B, T, M*H] = target features of the next T positions (counts[b]
         valid). `tokens` are not read: a context entry is the target's feature alone."""
@@ -457,7 +466,7 @@ class BlockRunner:
             cv[b_i, :, slots[b_i, t_i]] = vv[b_i, t_i].to(cv.dtype)
         self.lens = self.lens + counts
 
-    @torch.inference_mode()
+    @inference
     def block_out(self, roots: torch.Tensor) -> torch.Tensor:
         """One forward over [root, MASK x (B-1)] per request at positions lens..lens+B-1 -> the normed output of
         every block position [B, B, H]."""
@@ -472,12 +481,12 @@ class BlockRunner:
         kv = [(k[:, :, :S], v[:, :, :S]) for k, v in zip(self.k, self.v)]
         return self.drafter.block_hidden(ids, pos, kv, mask)  # [B, Bk, H]
 
-    @torch.inference_mode()
+    @inference
     def block_logits(self, roots: torch.Tensor) -> torch.Tensor:
         """Slot logits [B, B-1, V] of one block forward (slot k predicts the token at lens+k)."""
         return self.drafter.target_lm_head(self.block_out(roots)[:, 1:])  # [B, Bk-1, V]
 
-    @torch.inference_mode()
+    @inference
     def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None
               ) -> ChainDraft:
         """The first k (<= B-1) slots of one block forward. Greedy: argmax per slot; sampled: one draw per
@@ -496,21 +505,22 @@ class BlockRunner:
         return ChainDraft(drafts, q)
 
 
-def propose_block(state: BlockRunner, roots: torch.Tensor, lengths: torch.Tensor, spec: Any,
+def propose_block(state: BlockState, roots: torch.Tensor, lengths: torch.Tensor, spec: SpecConfig,
                   gen: torch.Generator | None) -> Proposal:
     """Mode "block": one draft forward proposes every slot at once, verified as a chain."""
     got = state.block(roots, int(lengths.max()), spec.temperature, spec.top_p, gen)
     return chain_proposal(roots, got.drafts, lengths, got.q)
 
 
-def check_block(spec: Any, drafter: DflashDrafter) -> str | None:
+def check_block(spec: SpecConfig, drafter: DflashDrafter) -> str | None:
     if spec.num_draft_tokens > drafter.config.num_draft_tokens:
         return (f"spec.num_draft_tokens={spec.num_draft_tokens}: a block of this draft has "
                 f"{drafter.config.num_draft_tokens} draft slots")
     return None
 
 
-BLOCK = replace(CHAIN, propose=propose_block, check=check_block)  # verified and sized as a chain of the block
+# verified and sized as a chain of the block
+BLOCK = replace(CHAIN, propose=propose_block, state=BlockState, check=check_block)
 
 
 # ---- the family record ------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,9 @@ from torch.utils.checkpoint import checkpoint
 from drafthead.dflash import (BlockRunner, DflashConfig, DflashDrafter, check_built, eval_summary, sample_anchors,
                               target_layer_ids)
 from drafthead.family import Family
-from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, Proposal, chain_proposal
+from drafthead.losses import Objective
+from drafthead.runtime.contract import ChainDraft, DraftMode, DraftState, Proposal, SpecConfig, inference
+from drafthead.runtime.draft import CHAIN, chain_proposal
 
 
 @dataclass
@@ -123,6 +125,7 @@ class ConfidenceHead(nn.Module):
 
 class DsparkDrafter(DflashDrafter):
     family = "dspark"
+    config: DsparkConfig
 
     def __init__(self, c: DsparkConfig) -> None:
         super().__init__(c)
@@ -133,7 +136,7 @@ class DsparkDrafter(DflashDrafter):
     def draft_modes(self) -> dict[str, DraftMode]:
         return {"block": DSPARK_BLOCK}
 
-    def draft_state(self, batch: int, capacity: int, device: torch.device) -> "DsparkRunner":
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> "DsparkState":  # mypy checks it
         return DsparkRunner(self, batch, capacity, device)
 
     def slot_logits(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -154,8 +157,8 @@ class DsparkDrafter(DflashDrafter):
 
     # ---- training --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
-                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None
-                ) -> dict[str, torch.Tensor]:
+                target_argmax: torch.Tensor, loss_mask: torch.Tensor, last_hidden: torch.Tensor | None = None,
+                objective: Objective | None = None) -> dict[str, Any]:
         """The per-draft loss over sampled anchor blocks, with teacher-forced prev tokens (the data's).
 
         Shapes as `DflashDrafter.forward`; teacher_probs [B, T, V] is the target's full-vocab distribution.
@@ -163,6 +166,8 @@ class DsparkDrafter(DflashDrafter):
         right drafts per block), `cond_correct` / `cond_count`, and `conf_error` / `conf_count` (the summed
         |sigmoid(confidence) - soft acceptance label|: how well the stop is calibrated).
         """
+        if objective is not None:  # FAMILY.losses is empty: the config refuses train.loss before this
+            raise ValueError("dspark trains its own loss only (train.loss must stay null)")
         c = self.config
         Bk, dev = c.block_size, input_ids.device
         B, T = input_ids.shape
@@ -239,11 +244,18 @@ class DsparkDrafter(DflashDrafter):
 
 
 # ---- inference: the block forward, then the slots left to right -------------------------------------
+class DsparkState(DraftState, Protocol):
+    """What DSpark's mode "block" calls: a block's drafts read left to right, cut at the confidence stop."""
+
+    def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None,
+              stop_prob: float = 0.0) -> ChainDraft: ...
+
+
 class DsparkRunner(BlockRunner):
     """DFlash's context cache and block forward; the drafts are read one slot at a time, each slot's Markov term
     from the token drafted before it, and a request stops where its confidence falls under the threshold."""
 
-    @torch.inference_mode()
+    @inference
     def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None,
               stop_prob: float = 0.0) -> ChainDraft:
         """Up to k (<= num_draft_tokens) drafts per request. Sampled drafts: q of draft j is its distribution
@@ -259,7 +271,7 @@ class DsparkRunner(BlockRunner):
         prev, drafts, qs = roots, [], []
         lengths = torch.full((B,), k, dtype=torch.long, device=roots.device)
         stopped = torch.zeros(B, dtype=torch.bool, device=roots.device)
-        u = torch.rand(B, k, generator=gen, device=roots.device) if temperature > 0 else None
+        u = torch.rand(B, k, generator=gen, device=roots.device) if temperature > 0 else torch.zeros(0)
         for j in range(k):
             logits, conf = d.markov_step(base[:, j], out[:, j], prev)  # [B, V], [B] | None
             if stop_prob > 0 and conf is not None:
@@ -276,14 +288,14 @@ class DsparkRunner(BlockRunner):
         return ChainDraft(torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None, lengths)
 
 
-def propose_dspark(state: DsparkRunner, roots: torch.Tensor, lengths: torch.Tensor, spec: Any,
+def propose_dspark(state: DsparkState, roots: torch.Tensor, lengths: torch.Tensor, spec: SpecConfig,
                    gen: torch.Generator | None) -> Proposal:
     """Mode "block" of DSpark: one block forward, drafts left to right, verified as a chain."""
     got = state.block(roots, int(lengths.max()), spec.temperature, spec.top_p, gen, spec.draft_stop_prob)
     return chain_proposal(roots, got.drafts, torch.minimum(lengths, got.lengths), got.q)
 
 
-def check_dspark(spec: Any, drafter: DsparkDrafter) -> str | None:
+def check_dspark(spec: SpecConfig, drafter: DsparkDrafter) -> str | None:
     if spec.num_draft_tokens > drafter.config.num_draft_tokens:
         return (f"spec.num_draft_tokens={spec.num_draft_tokens}: a block of this draft has "
                 f"{drafter.config.num_draft_tokens} drafts")
@@ -292,7 +304,7 @@ def check_dspark(spec: Any, drafter: DsparkDrafter) -> str | None:
     return None
 
 
-DSPARK_BLOCK = replace(CHAIN, propose=propose_dspark, check=check_dspark)
+DSPARK_BLOCK = replace(CHAIN, propose=propose_dspark, state=DsparkState, check=check_dspark)
 
 
 # ---- the family record ------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ Conventions (pinned by tests):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,7 @@ from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, dec
                               one_call_layer, project, rope_cos_sin, shift, take_rows,
                               ttt_attention)
 from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
-from drafthead.runtime.draft import CHAIN, TREE
+from drafthead.runtime.draft import CHAIN, TREE, DraftRunner
 from drafthead.vocab import target_to_draft
 
 
@@ -94,7 +94,7 @@ class Eagle3Config:
 
     @classmethod
     def from_target(cls, tcfg: Any, draft_vocab_size: int, aux_layer_ids: list[int] | None = None,
-                    **overrides: Any) -> "Eagle3Config":
+                    **overrides: Any) -> Self:
         """Size the draft like one decoder layer of the target (the EAGLE3 recipe)."""
         n = tcfg.num_hidden_layers
         kw = dict(decoder_layer_shape(tcfg), draft_vocab_size=min(draft_vocab_size, tcfg.vocab_size),
@@ -197,9 +197,7 @@ class Eagle3Drafter(OwnLayers, nn.Module):
                 problems.append(f"vocab: d2t maps draft ids to target id {top} >= target vocab {tcfg.vocab_size}")
         return problems
 
-    def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any:
-        from drafthead.runtime.draft import DraftRunner
-
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> DraftRunner:
         return DraftRunner(self, batch, capacity, device)
 
     @torch.no_grad()
@@ -336,7 +334,8 @@ class Eagle3Drafter(OwnLayers, nn.Module):
         step = None if torch.is_grad_enabled() or not isinstance(kv, tuple) else one_call_layer(
             self, c.num_attention_heads, c.num_key_value_heads, c.head_dim, layer.post_attention_layernorm,
             attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp)
-        if step is not None and x.dtype == kv[0].dtype == layer.post_attention_layernorm.weight.dtype:
+        if step is not None and isinstance(kv, tuple) and attn_mask is not None and x.dtype == kv[0].dtype == \
+                layer.post_attention_layernorm.weight.dtype:
             # a packed CPU draft step: the layer in one call, the bits of the op-by-op path below
             cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta)  # [B, 1, T, D] fp32
             cache, slots = kv

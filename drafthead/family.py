@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # the runtime's mode entries; family.py stays free of the runtime at run time
-    from drafthead.runtime.draft import DraftMode
+if TYPE_CHECKING:  # the runtime's contract; family.py stays free of the runtime at run time
+    from drafthead.runtime.contract import DraftMode, DraftState
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,13 @@ class Drafter(Protocol):
         reads; `draft_modes` its table of proposal shapes, name -> `runtime.draft.DraftMode` (the first is its
         default; CHAIN and TREE are shared, a family adds its own, as DFlash adds BLOCK); `check_target(tcfg)`
         the mismatches with a target, as messages; `draft_state(batch, capacity, device)` a fresh drafting
-        state (extend / select, and chain / tree / block for its modes; chain and block return a
-        `runtime.draft.ChainDraft`: drafthead/runtime/draft.py, `BlockRunner` in drafthead/dflash.py).
-        `runtime_module()` what the runtime drafts with: a module of the family's own (a LoRA self-draft's
-        merged adapters), or None for a copy of the drafter with its linears packed for the CPU kernels.
-        The draft state's `bind(model, session)` hands it the target's runtime model and the session (a
-        drafter that runs the target's own layers and cache keeps them; the others ignore it).
+        state: a `runtime.contract.DraftState` (bind / select / extend) that also follows each of its modes'
+        protocol (`DraftMode.state`: chain, tree, or the family's own, as DFlash's block). `bind(target,
+        session)` hands it read-only views of the target's layers and of the batch (`contract.TargetLayers`,
+        `contract.SessionView`): a drafter that runs the target's own layers and cache keeps them, the others
+        ignore them. `runtime_module()` what the runtime drafts with: a module of the family's own (a LoRA
+        self-draft's merged adapters), or None for a copy of the drafter with its linears packed for the CPU
+        kernels.
     Data: `check_data(samples) -> list[str]` problems with the training samples (dicts with input_ids),
         checked when the draft is built (e.g. a DFlash mask token that occurs in the data); [] when none.
     Saving: every tensor of `state_dict()` except `registry.NOT_SAVED` and `target_tensors()` (the target's
@@ -116,7 +117,7 @@ class Drafter(Protocol):
 
     def runtime_module(self) -> nn.Module | None: ...
 
-    def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any: ...
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> DraftState: ...
 
 
 class OwnLayers:
@@ -135,10 +136,6 @@ class OwnLayers:
 
     def runtime_module(self) -> nn.Module | None:
         return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
-
-
-DRAFTER_HOOKS = ("family", "config", "features", "draft_modes", "reads_target_head", "shares_target_layers",
-                 "capture_layer_ids", "check_target", "check_data", "target_tensors", "runtime_module", "draft_state")
 
 
 def resolve(spec: str) -> Callable[..., Any]:

@@ -28,7 +28,8 @@ from torch import nn
 from drafthead.family import Family
 from drafthead.layers import apply_rope, shift, ttt_attention
 from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
-from drafthead.runtime.draft import CHAIN, ChainDraft
+from drafthead.runtime.contract import ChainDraft, ChainState, SessionView, TargetLayers, inference
+from drafthead.runtime.draft import CHAIN
 
 ARCHS = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}  # model_type -> transformers class prefix
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -308,11 +309,15 @@ class LoraDrafter(nn.Module):
         pos = torch.arange(T, device=aux_hidden.device)[None].expand(B, T)  # [B, T]
         h = aux_hidden.to(dtype)  # [B, T, H]
         cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (shallow, then exit): depth-0 k, v
+        shallow = list(self.shallow) if self.shallow is not None else []
+        if K > 1 and len(shallow) != self.config.exit_layer:
+            raise ValueError(f"{K} draft depths run the target's layers < {self.config.exit_layer}: attach_shallow "
+                             f"(done by the family's init) gives them")
         if K > 1:  # the teacher-forced entries of the shallow layers (frozen: no graph)
             with torch.no_grad():
                 cos, sin = self._rope(h, pos)
                 x = self.embed_tokens(input_ids).to(dtype)  # [B, T, H]
-                for layer in self.shallow:
+                for layer in shallow:
                     x, k, v = layer_forward(layer, x, cos, sin)
                     cache.append((k, v))
         causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
@@ -326,8 +331,8 @@ class LoraDrafter(nn.Module):
                     cache.append((k, v))
             else:  # x_{t+i} is the draft's own token of depth i-1
                 h = self.embed_tokens(drafted).to(dtype)  # [B, T, H]
-                for j, layer in enumerate(self.shallow + list(self.layers)):
-                    with torch.set_grad_enabled(torch.is_grad_enabled() and j >= len(self.shallow)):
+                for j, layer in enumerate(shallow + list(self.layers)):
+                    with torch.set_grad_enabled(torch.is_grad_enabled() and j >= len(shallow)):
                         h, k, v = layer_forward(layer, h, cos, sin, (*cache[j], *diag[j], causal))
                     diag[j][0].append(k)
                     diag[j][1].append(v)
@@ -369,13 +374,13 @@ class LoraDrafter(nn.Module):
         runtime's own kernels, see `SelfDraftRunner`)."""
         return self.merged().eval()
 
-    def draft_state(self, batch: int, capacity: int, device: torch.device) -> "SelfDraftRunner":
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> ChainState:  # mypy checks the runner
         return SelfDraftRunner(self.merged(), batch, capacity, device)
 
 
 class SelfDraftRunner:
-    """Drafting state of a batch. `bind` (called by the runtime with the target's runtime model and the
-    session) gives it the target's layers and KV cache; the exit block keeps its own cache.
+    """Drafting state of a batch. `bind` (called by the runtime) gives it the target's layers and the session, whose
+    KV cache the shallow layers extend past the verified length; the exit block keeps its own cache.
 
     stop_prob (> 0): a request stops drafting for the round at the first token whose draft probability is below
     it (the confidence stop, llama.cpp's draft `p_min`); that token and later ones are not proposed."""
@@ -385,19 +390,24 @@ class SelfDraftRunner:
         self.drafter = drafter
         self.n = c.num_exit_layers
         self.capacity, self.batch, self.device = capacity, batch, device
-        self.exit_cache: torch.Tensor | None = None  # [B, n*2*kvh, S, D], made at bind (the target's layout)
+        self.exit_cache = torch.zeros(0)  # [B, n*2*kvh, S, D], made at bind (the target's layout)
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # verified prefix entries per request
-        self.model: Any = None
-        self.session: Any = None
+        self.target: TargetLayers | None = None
+        self.session: SessionView | None = None
         self.stop_prob = 0.0
 
-    def bind(self, model: Any, session: Any) -> None:
-        """The target's runtime model (`TargetModel`: its layers, block math and KV layout) and the session
-        (its current `cache` and `lens`; both change as requests leave the batch)."""
-        self.model, self.session = model, session
-        self.exit_cache = torch.zeros(self.batch, self.n * 2 * model.num_kv_heads, self.capacity, model.head_dim,
-                                      dtype=model.dtype, device=self.device)
-        self.stop_prob = float(getattr(session.spec, "draft_stop_prob", 0.0) or 0.0)
+    def bind(self, target: TargetLayers, session: SessionView) -> None:
+        """The target's layers (block math and KV layout) and the session (its `cache`, `lens` and `roots`,
+        replaced as requests leave the batch, so read at each round)."""
+        self.target, self.session = target, session
+        self.exit_cache = torch.zeros(self.batch, self.n * 2 * target.num_kv_heads, self.capacity, target.head_dim,
+                                      dtype=target.dtype, device=self.device)
+        self.stop_prob = float(session.spec.draft_stop_prob or 0.0)
+
+    def bound(self) -> tuple[TargetLayers, SessionView]:
+        if self.target is None or self.session is None:
+            raise RuntimeError("the self-draft state drafts after the runtime's bind(target, session)")
+        return self.target, self.session
 
     def select(self, rows: torch.Tensor) -> None:
         self.exit_cache, self.lens = self.exit_cache[rows], self.lens[rows]
@@ -405,25 +415,23 @@ class SelfDraftRunner:
     def _inputs(self, h: torch.Tensor, lens: torch.Tensor) -> tuple:
         """(positions, cos, sin, aligned start, mask) of T new tokens at lens.. for a cache of the session's
         capacity: the same for the target's layers < E and the exit block (both caches have that capacity)."""
-        from drafthead.runtime.model import attention_mask
-
+        target, _ = self.bound()
         T, S = h.shape[1], self.exit_cache.shape[2]
         pos = lens[:, None] + torch.arange(T, device=h.device)  # [B, T]
-        cos, sin = self.model.base.rotary_emb(h, position_ids=pos)
+        cos, sin = target.rotary(h, pos)  # [B, T, D] each
         start = int(lens[0]) if bool((lens == lens[0]).all()) else None
-        return pos, cos, sin, start, attention_mask(lens, T, S, None)  # cos, sin [B, T, D]
+        return pos, cos, sin, start, target.causal_mask(lens, T, S)
 
     def _exit(self, h: torch.Tensor, inputs: tuple, prefill: bool) -> torch.Tensor:
         """Exit block over h [B, T, H] (`inputs` from `_inputs`), writing the exit cache; -> final-norm hidden."""
-        from drafthead.runtime.model import rms_norm
-
+        target, _ = self.bound()
         pos, cos, sin, start, mask = inputs
         for j, layer in enumerate(self.drafter.layers):
-            h = self.model.block(j, layer, h, cos, sin, self.exit_cache, pos, start, self.exit_cache.shape[2], mask,
-                                 prefill)
-        return rms_norm(self.drafter.norm, h)
+            h = target.block(j, layer, h, cos, sin, self.exit_cache, pos, start, self.exit_cache.shape[2], mask,
+                             prefill)
+        return target.norm(self.drafter.norm, h)
 
-    @torch.inference_mode()
+    @inference
     def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
         """Verified entries: feats [B, T, H] = the input of layer E at the next T positions (counts[b]
         valid). `tokens` are not read: the feature already is the token's, after the shallow layers."""
@@ -432,11 +440,11 @@ class SelfDraftRunner:
             raise ValueError(f"draft context overflow: {int((self.lens + counts).max())} > capacity "
                              f"{self.exit_cache.shape[2]}")
         # padding past counts[b] lands past the verified prefix, where the next round writes over it
-        h = feats.to(self.model.dtype)
+        h = feats.to(self.bound()[0].dtype)
         self._exit(h, self._inputs(h, self.lens), prefill=T > 1)
         self.lens = self.lens + counts
 
-    @torch.inference_mode()
+    @inference
     def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None
               ) -> ChainDraft:
         """k draft steps from the session's roots: each runs the target's layers < E on the target's cache
@@ -444,23 +452,24 @@ class SelfDraftRunner:
         lengths [B] each request keeps (k unless the confidence stop cut it)."""
         from drafthead.runtime.sampling import probs, sample
 
-        m, s, d = self.model, self.session, self.drafter
+        m, s = self.bound()
+        d = self.drafter
         E = d.config.exit_layer
-        head = d.target_lm_head if d.config.lora_head else m.model.lm_head  # the target's own when untouched
+        head = d.target_lm_head if d.config.lora_head else m.lm_head  # the target's own when untouched
         x, base = s.roots, s.lens  # [B] the last accepted token, the target's verified length
         B, dev = x.shape[0], x.device
         S = s.cache.shape[2]
         drafts = torch.zeros(B, k, dtype=torch.long, device=dev)
-        qs = [] if temperature > 0 else None
+        qs: list[torch.Tensor] = []  # sampled drafts' distributions
         lengths = torch.full((B,), k, dtype=torch.long, device=dev)
         live = torch.ones(B, dtype=torch.bool, device=dev)
         for j in range(k):
             lens = base + j
-            h = m.base.embed_tokens(x[:, None])  # [B, 1, H]
+            h = m.embed(x[:, None])  # [B, 1, H]
             inputs = self._inputs(h, lens)  # rope and mask once for both caches
             pos, cos, sin, start, mask = inputs
             for i in range(E):
-                h = m.block(i, m.layers[i], h, cos, sin, s.cache, pos, start, S, mask)
+                h = m.block(i, m.layer(i), h, cos, sin, s.cache, pos, start, S, mask)
             h = self._exit(h, inputs, prefill=False)  # [B, 1, H]
             logits = m.linear(head, h)[:, 0].float()  # [B, V]
             if temperature > 0:
@@ -479,7 +488,7 @@ class SelfDraftRunner:
                 if not bool(live.any()):
                     drafts = drafts[:, : max(j, 1)]
                     break
-        q = None if qs is None else torch.stack(qs, 1)[:, : drafts.shape[1]]  # [B, k, V]
+        q = torch.stack(qs, 1)[:, : drafts.shape[1]] if qs else None  # [B, k, V] when sampled
         return ChainDraft(drafts, q, lengths.clamp(max=drafts.shape[1]))
 
 

@@ -47,7 +47,8 @@ from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, dec
                               rope_cos_sin, shift, take_rows, ttt_attention)
 from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
-from drafthead.runtime.draft import CHAIN, TREE, DraftMode
+from drafthead.runtime.contract import DraftMode, DraftState
+from drafthead.runtime.draft import CHAIN, TREE, DraftRunner, ModuleChainRunner
 
 FASTMTP_STEP_WEIGHTS = [0.51, 0.31, 0.18]  # TencentBAC/FastMTP mtp_loss_step_weights for K = 3
 ATTENTION_MODES = ("causal", "chain")
@@ -308,9 +309,7 @@ class MtpDrafter(OwnLayers, nn.Module):
             problems.append(f"vocab: draft expects vocab_size={c.vocab_size}, target has {tcfg.vocab_size}")
         return problems
 
-    def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any:
-        from drafthead.runtime.draft import DraftRunner, ModuleChainRunner
-
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> DraftState:
         return (ModuleChainRunner if self.chain_modules > 1 else DraftRunner)(self, batch, capacity, device)
 
     def module_for(self, depth: int) -> int:
@@ -387,6 +386,8 @@ class MtpDrafter(OwnLayers, nn.Module):
                              f"{teacher_probs.shape[-1]}: build TargetHead without draft ids")
         total = last_hidden.new_zeros((), dtype=torch.float32)
         step_loss, correct, count, alphas = [], [], [], []
+        weights = c.step_weights
+        assert weights is not None, "MtpConfig.__post_init__ sets the step weights"
         for k, out in enumerate(self.depth_hidden(input_ids, last_hidden)):
             m = self.layers[self.module_for(k)]
             mask_k = shift(loss_mask, 2 + k).bool()  # [B, T]  x_{t+2+k} is an assistant token
@@ -397,7 +398,7 @@ class MtpDrafter(OwnLayers, nn.Module):
             ce, alpha = draft_loss(logits, teach, objective, not self.training)  # [M] each (alpha: eval only)
             n = max(int(b_idx.numel()), 1)
             lk = (ce * (tgt >= 0)).sum() / n
-            total = total + c.step_weights[k] * lk
+            total = total + weights[k] * lk
             step_loss.append(lk.detach())
             correct.append((logits.detach().max(-1).indices == tgt).sum())
             count.append(torch.tensor(b_idx.numel(), device=input_ids.device))

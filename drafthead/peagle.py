@@ -29,7 +29,8 @@ from drafthead.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Options
 from drafthead.family import Family
 from drafthead.layers import take_rows
 from drafthead.losses import LOSSES
-from drafthead.runtime.draft import CHAIN, ChainDraft, DraftMode, DraftRunner
+from drafthead.runtime.contract import ChainDraft, SpecConfig, inference
+from drafthead.runtime.draft import CHAIN, DraftRunner
 from drafthead.runtime.sampling import greedy, probs, sample
 
 
@@ -52,7 +53,7 @@ class PeagleConfig(Eagle3Config):
     mask_token_id: int = 0  # the token of the K-1 mask entries (speculators / vLLM `mask_token_id`)
 
 
-def check_depth(spec: Any, drafter: Any) -> str | None:
+def check_depth(spec: SpecConfig, drafter: Any) -> str | None:
     """A round drafts at most K tokens: entries past the trained mask depths have never been trained."""
     k = drafter.config.num_draft_tokens
     if spec.num_draft_tokens > k:
@@ -69,6 +70,7 @@ class PeagleDrafter(Eagle3Drafter):
 
     family = "peagle"
     draft_modes = {"chain": PARALLEL}
+    config: PeagleConfig
 
     def __init__(self, c: PeagleConfig) -> None:
         super().__init__(c)
@@ -84,7 +86,7 @@ class PeagleDrafter(Eagle3Drafter):
         """The mask token must never occur in the data: a real entry holding it would look like a mask entry."""
         return mask_token_in_data(self.family, self.config.mask_token_id, samples)
 
-    def draft_state(self, batch: int, capacity: int, device: torch.device) -> Any:
+    def draft_state(self, batch: int, capacity: int, device: torch.device) -> ParallelRunner:
         return ParallelRunner(self, batch, capacity, device)
 
     def mask_feature(self) -> torch.Tensor:
@@ -110,14 +112,14 @@ class ParallelRunner(DraftRunner):
     def __init__(self, drafter: nn.Module, batch: int, capacity: int, device: torch.device) -> None:
         self.extra = drafter.config.num_draft_tokens - 1  # mask entries per request
         super().__init__(drafter, batch, capacity + self.extra, device)
-        self.all_logits: torch.Tensor | None = None  # [B, K, N] the logits of drafts 1..K
+        self.all_logits = torch.zeros(batch, 0, 0, device=device)  # [B, K, N] the logits of drafts 1..K (extend)
         self._mask: torch.Tensor | None = None  # [H] fc(mask_hidden) in the cache's dtype, made once
 
     def select(self, rows: torch.Tensor) -> None:
         super().select(rows)
         self.all_logits = self.all_logits[rows]
 
-    @torch.inference_mode()
+    @inference
     def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
         """Append prefix entries (tokens [B, T] = x_{t+1}, feats [B, T, F] = f_t, counts[b] valid) and run the mask
         entries behind each request's last one in the same forward."""
@@ -126,12 +128,13 @@ class ParallelRunner(DraftRunner):
         hidden = self.drafter.fuse(feats)  # [B, T, H]
         if self._mask is None:
             self._mask = self.drafter.mask_feature().to(hidden.dtype)
+        mask = self._mask
         at = counts[:, None] + torch.arange(M, device=dev)  # [B, M] where each request's mask entries go
         rows = torch.arange(B, device=dev)[:, None]
         ids = F.pad(tokens, (0, M))  # [B, T+M] (entries past a request's count are padding)
         ids[rows, at] = self.drafter.config.mask_token_id
         hid = F.pad(hidden, (0, 0, 0, M))  # [B, T+M, H]
-        hid[rows, at] = self._mask.to(hid.dtype)
+        hid[rows, at] = mask.to(hid.dtype)
         self.num_spec = 0
         positions = self.lens[:, None] + torch.arange(T + M, device=dev)  # [B, T+M] mask d at last + d
         last = counts - 1
@@ -141,7 +144,7 @@ class ParallelRunner(DraftRunner):
         self.logits, self.hidden = logits[:, 0], take_rows(out, last)[:, 0]  # [B, N], [B, H]
         self.lens = self.lens + counts
 
-    @torch.inference_mode()
+    @inference
     def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None) -> ChainDraft:
         """k <= K drafts from the logits the last extend made: each greedy, or sampled from its own distribution
         (a proposal need not condition on the drafts before it for speculative sampling to stay lossless)."""
@@ -158,6 +161,7 @@ class ParallelRunner(DraftRunner):
 def build(tcfg: Any, options: PeagleOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
           ) -> PeagleConfig:
     base = eagle3.build(tcfg, options, layer_ids, draft_vocab_size)
+    assert options.mask_token_id is not None, "PeagleOptions.validate requires it"
     return PeagleConfig(**base.to_dict(), mask_token_id=options.mask_token_id)
 
 

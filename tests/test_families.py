@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from drafthead.export import ExportError, export
-from drafthead.family import resolve
+from drafthead.family import Drafter, resolve
 from drafthead.losses import Objective
 from drafthead.registry import FAMILIES, NOT_SAVED, draft_state_dict, load_draft, save_draft
-from drafthead.runtime.draft import DraftMode
+from drafthead.runtime.contract import DraftMode, DraftState, hooks
 from drafthead.runtime import SpecConfig, SpeculativeGenerator
 from drafthead.target import load_target
 from drafthead.trainer.engines import TorchEngine
@@ -70,14 +70,19 @@ def built(request, tiny_llama_dir, tiny_qwen3_dir, tmp_path_factory):
             "tdir": tdir, "tmp": tmp_path_factory.mktemp(f"{name}-{arch}")}
 
 
-def test_speaks_every_declared_hook(built):
-    """Every name of the `Drafter` protocol is defined by the family's own class (the shared code never probes)
-    and the hooks answer in the declared shapes."""
-    from drafthead.family import DRAFTER_HOOKS
+def missing_hooks(obj: object, protocol: type) -> list[str]:
+    """The names `protocol` declares that obj lacks: its methods defined by obj's own class (the shared code never
+    probes), its attributes held by obj."""
+    methods = {n for c in protocol.__mro__ for n, v in vars(c).items() if callable(v)}
+    return [h for h in hooks(protocol)
+            if not (callable(getattr(type(obj), h, None)) if h in methods else hasattr(obj, h))]
 
+
+def test_speaks_every_declared_hook(built):
+    """Every name of the `Drafter` protocol is the family's, and every draft state follows `DraftState` and the
+    protocol of each mode it drafts in (`DraftMode.state`); the hooks answer in the declared shapes."""
     d = built["ds"].drafter
-    missing = [h for h in DRAFTER_HOOKS if not hasattr(type(d), h) and h not in vars(d)]
-    assert not missing, missing
+    assert not missing_hooks(d, Drafter), missing_hooks(d, Drafter)
     assert isinstance(d.reads_target_head, bool) and isinstance(d.shares_target_layers, bool)
     assert d.check_data(built["train"]) == [] and all(isinstance(k, str) for k in d.target_tensors())
     assert d.reads_target_head == ("target_lm_head.weight" in d.state_dict())
@@ -85,7 +90,10 @@ def test_speaks_every_declared_hook(built):
     own = d.runtime_module()
     assert own is None or isinstance(own, torch.nn.Module)
     state = (own or d).draft_state(1, 16, torch.device("cpu"))
-    assert callable(state.bind)
+    assert not missing_hooks(state, DraftState), missing_hooks(state, DraftState)
+    for name, mode in d.draft_modes.items():
+        assert DraftState in mode.state.__mro__, name  # a mode protocol extends DraftState
+        assert not missing_hooks(state, mode.state), (name, missing_hooks(state, mode.state))
 
 
 def test_builds_with_the_declared_vocabulary_and_features(built):

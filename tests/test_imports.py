@@ -148,3 +148,64 @@ def test_no_python_line_over_120_characters() -> None:
     long = [f"{f}:{i}: {len(line)}" for f in files if (ROOT / f).exists()
             for i, line in enumerate((ROOT / f).read_text().splitlines(), 1) if len(line) > 120]
     assert not long, long
+
+
+def runtime_private_fields() -> set[str]:
+    """Every `self._name` a runtime module sets: the runtime's private state."""
+    names = set()
+    for p in (ROOT / "drafthead/runtime").glob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self" \
+                    and n.attr.startswith("_") and not n.attr.startswith("__"):
+                names.add(n.attr)
+    return names
+
+
+def test_no_module_reads_the_runtimes_private_state() -> None:
+    """Outside drafthead/runtime, no code reads a private field of a runtime object, and no module imports another
+    module's private name: a draft state reads the session and the target through `runtime.contract` only."""
+    private = runtime_private_fields()
+    assert {"_s", "_m"} <= private  # the views' own handles are what a family must not reach through
+    files = [p for d in ("drafthead", "trainer", "eval", "scripts") for p in sorted((ROOT / d).rglob("*.py"))
+             if "runtime" not in p.relative_to(ROOT).parts] + [ROOT / "train.py"]
+    hits = []
+    for p in files:
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr in private and not (
+                    isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                hits.append(f"{p.relative_to(ROOT)}:{n.lineno}: .{n.attr}")
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("drafthead"):
+                hits += [f"{p.relative_to(ROOT)}:{n.lineno}: import {a.name}" for a in n.names
+                         if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not hits, hits
+
+
+def test_family_files_see_the_runtime_through_its_contract() -> None:
+    """A family file imports the runtime's contract, its shared runners and sampling: never the session
+    (runtime.generate) or the target model (runtime.model)."""
+    from drafthead.registry import FAMILIES
+
+    allowed = {"drafthead.runtime.contract", "drafthead.runtime.draft", "drafthead.runtime.sampling"}
+    graph = import_graph()
+    bad = {}
+    for fam in FAMILIES.values():
+        mod = fam.model.__module__
+        runtime = {d for d in graph[mod] if d.startswith("drafthead.runtime.")}
+        if runtime - allowed:
+            bad[mod] = sorted(runtime - allowed)
+    assert not bad, bad
+
+
+def test_mypy_passes_on_the_runtime_and_the_family_files() -> None:
+    """The protocols are checked, not only written: mypy over drafthead/runtime and every family file
+    (pyproject.toml [tool.mypy] says what it follows)."""
+    import subprocess
+    import sys
+
+    from drafthead.registry import FAMILIES
+
+    families = sorted({str(Path(str(sys.modules[f.model.__module__].__file__)).relative_to(ROOT))
+                       for f in FAMILIES.values()})
+    out = subprocess.run([sys.executable, "-m", "mypy", "drafthead/runtime", *families], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]

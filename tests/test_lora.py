@@ -208,6 +208,27 @@ def test_confidence_stop_drafts_less_and_stays_lossless(tiny_llama_dir):
     assert drafted(cut) < drafted(full) == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_self_draft_that_is_the_whole_target_drafts_its_tokens(dtype):
+    """Exit block = the target's own last layer, adapters at zero: the draft is the target, so every greedy draft is
+    accepted. The runtime runs the exit block on slot 0 of its own cache through the target's block math; before
+    the one-call decode layers were keyed to their layer, slot 0 ran target layer 0's fused weights instead."""
+    from test_runtime import tiny_target
+
+    from drafthead.lora import LoraDrafter, LoraOptions, build
+
+    target = tiny_target("llama", seed=2, dtype=dtype)
+    L = target.config.num_hidden_layers
+    drafter = LoraDrafter(build(target.config, LoraOptions(exit_layer=L - 1, rank=4), None, None)).to(dtype)
+    drafter.attach_target(target.model, share=True)
+    gen = SpeculativeGenerator(target, drafter.eval())
+    prompts = [[3, 5, 1, 6, 9, 11, 4], [7, 8, 2, 2, 10]]
+    res = gen.generate(prompts, 24, SpecConfig(mode="chain", num_draft_tokens=3, batch_size=2))
+    assert [r.tokens for r in res] == [r.tokens for r in gen.generate(prompts, 24, SpecConfig(mode="ar"))]
+    assert [a == d for r in res for a, d in zip(r.accept_lens, r.num_drafted)] == [True] * sum(
+        r.num_rounds for r in res)
+
+
 def test_sampled_chain_keeps_the_target_distribution():
     """Rejection sampling with the self-draft's q keeps the target's joint distribution of the first three
     tokens (the total-variation check of the other families, tests/test_runtime.py)."""

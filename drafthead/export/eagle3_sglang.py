@@ -69,11 +69,11 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str) 
         "torch_dtype": dtype,
         # ignored by servers; lets `load_exported` rebuild the exact drafthead config
         "drafthead": {"format": "sglang", "family": "eagle3", "aux_layer_ids_meaning": LAYER_ID_MEANING,
-                      "draft": cfg.to_dict(), "target": _target_record(target, meta)},
+                      "draft": cfg.to_dict(), "target": target_record(target, meta)},
     }
 
 
-def _target_record(target: TargetInfo, meta: dict) -> dict:
+def target_record(target: TargetInfo, meta: dict) -> dict:
     rec = dict(meta.get("target") or {})
     rec.update(name_or_path=target.name_or_path, vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                num_hidden_layers=target.num_hidden_layers)

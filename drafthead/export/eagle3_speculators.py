@@ -26,7 +26,7 @@ import torch
 from drafthead.eagle3 import Eagle3Config
 from drafthead.export.common import (SPECULATORS_VERSION, VERIFIER_IDS, ExportError, TargetInfo, cast_state,
                                      dtype_name, llama_fields, write_hf_dir)
-from drafthead.export.eagle3_sglang import LAYER_ID_MEANING, _target_record, config_from_llama_fields
+from drafthead.export.eagle3_sglang import LAYER_ID_MEANING, target_record, config_from_llama_fields
 from drafthead.registry import LoadedDraft
 
 ARCHITECTURE = "Eagle3Speculator"
@@ -73,7 +73,7 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str,
         },
         "torch_dtype": dtype,
         "drafthead": {"format": "speculators", "family": "eagle3", "aux_layer_ids_meaning": LAYER_ID_MEANING,
-                      "draft": cfg.to_dict(), "target": _target_record(target, meta)},
+                      "draft": cfg.to_dict(), "target": target_record(target, meta)},
     }
 
 

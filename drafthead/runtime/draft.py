@@ -14,8 +14,7 @@ reduced vocabulary reports its full vocabulary as the "draft vocabulary" (`draft
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,30 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.layers import take_rows
+from drafthead.runtime.contract import (ChainDraft, ChainState, DraftMode, Proposal, SessionView, inference,
+                                        SpecConfig, TargetLayers, TreeState)
 from drafthead.runtime.model import attention_mask
 from drafthead.runtime.sampling import greedy, probs, sample
 
 
-@dataclass
-class Proposal:
-    tokens: torch.Tensor  # [B, N] target ids, node 0 = root
-    parents: torch.Tensor  # [B, N] parent node (-1 for the root), parents[b, i] < i
-    num_nodes: torch.Tensor  # [B] valid nodes (root included); the rest is padding
-    depth: torch.Tensor  # [B] draft tokens along the deepest path (= num_drafted)
-    draft_probs: torch.Tensor | None = None  # [B, N, V] distribution each node was sampled from (chains)
-    is_chain: bool = True  # every row is a chain (parents[i] = i - 1)
-
-
-class ChainDraft(NamedTuple):
-    """What a drafter's `chain(k, ...)` proposes: k drafts a request, the distributions they were sampled from,
-    and how many of them each request keeps (None: all k; a drafter with a confidence stop cuts some short)."""
-    drafts: torch.Tensor  # [B, k] target ids
-    q: torch.Tensor | None = None  # [B, k, V] when sampled
-    lengths: torch.Tensor | None = None  # [B] drafts kept, <= k
-
-
-def run_chain(first: Any, step_runner: Callable[[int], Any], k: int, temperature: float, top_p: float,
-              gen: torch.Generator | None) -> ChainDraft:
+def run_chain(first: "DraftRunner", step_runner: Callable[[int], "DraftRunner"], k: int, temperature: float,
+              top_p: float, gen: torch.Generator | None) -> ChainDraft:
     """k draft tokens per request from `first`'s last prefix entry, greedy or sampled; draft j's entry is
     decoded by `step_runner(j)` (the runner itself for a one-module draft, module (j + 1) % M for a
     multi-module one) at position lens + j, after that runner's own entries of this round."""
@@ -72,23 +55,12 @@ def run_chain(first: Any, step_runner: Callable[[int], Any], k: int, temperature
 NGRAM_STACK_FACTOR = 2  # a stacked n-gram chain may be this many times longer than the drafter's proposal
 
 
-@dataclass(frozen=True)
-class DraftMode:
-    """One drafting mode as a family offers it. A drafter's `draft_modes` maps mode names to these (the first is
-    its default) and the runtime dispatches through that table, so a new proposal shape is code in the family's
-    file: its draft state's method, a `propose` that calls it, the mode entry."""
-    propose: Callable[..., Proposal]  # (draft state, roots [B], lengths [B], spec, gen) -> Proposal
-    max_nodes: Callable[[Any], int]  # spec -> nodes one round verifies besides the root (sizes the cache)
-    ngram_cap: Callable[[Any], int]  # spec -> the longest n-gram chain stacked onto this mode's proposal
-    check: Callable[[Any, Any], str | None] = lambda spec, drafter: None  # a problem with spec for this drafter
-
-
-def tree_budget(spec: Any) -> int:
+def tree_budget(spec: SpecConfig) -> int:
     """Nodes an EAGLE-2 tree keeps: the pool holds topk + (depth-1)*topk^2 candidates."""
     return min(spec.tree_nodes, spec.topk + (spec.num_draft_tokens - 1) * spec.topk ** 2)
 
 
-def propose_chain(state: Any, roots: torch.Tensor, lengths: torch.Tensor, spec: Any,
+def propose_chain(state: ChainState, roots: torch.Tensor, lengths: torch.Tensor, spec: SpecConfig,
                   gen: torch.Generator | None) -> Proposal:
     got = state.chain(int(lengths.max()), spec.temperature, spec.top_p, gen)
     if got.lengths is not None:  # the drafter stopped some requests early (its confidence stop)
@@ -96,14 +68,14 @@ def propose_chain(state: Any, roots: torch.Tensor, lengths: torch.Tensor, spec: 
     return chain_proposal(roots, got.drafts, lengths, got.q)
 
 
-def propose_tree(state: Any, roots: torch.Tensor, lengths: torch.Tensor, spec: Any,
+def propose_tree(state: TreeState, roots: torch.Tensor, lengths: torch.Tensor, spec: SpecConfig,
                  gen: torch.Generator | None) -> Proposal:
     return state.tree(roots, spec.topk, int(lengths.max()), tree_budget(spec), lengths if spec.adaptive else None)
 
 
 CHAIN = DraftMode(propose_chain, lambda spec: spec.num_draft_tokens,
-                  lambda spec: NGRAM_STACK_FACTOR * spec.num_draft_tokens)
-TREE = DraftMode(propose_tree, tree_budget, tree_budget)  # the n-gram chain then costs what the tree would
+                  lambda spec: NGRAM_STACK_FACTOR * spec.num_draft_tokens, ChainState)
+TREE = DraftMode(propose_tree, tree_budget, tree_budget, TreeState)  # the n-gram chain then costs what the tree would
 
 
 def chain_proposal(roots: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor,
@@ -182,10 +154,11 @@ class DraftRunner:
         self.draft_vocab = drafter.draft_to_target(torch.arange(c.draft_vocab_size, device=device))  # [N]
         self.vocab_size = c.vocab_size
         self.num_spec = 0  # entries made while speculating this round, at slots lens .. lens + num_spec - 1
-        self.logits: torch.Tensor | None = None  # [B, N] draft logits for the token after the root
-        self.hidden: torch.Tensor | None = None  # [B, H] output hidden of the root's prefix entry
+        # set by every extend (the runtime extends with the prompt before it drafts): empty until then
+        self.logits = torch.zeros(batch, 0, device=device)  # [B, N] draft logits for the token after the root
+        self.hidden = torch.zeros(batch, 0, device=device)  # [B, H] output hidden of the root's prefix entry
 
-    def bind(self, model: Any, session: Any) -> None:
+    def bind(self, target: TargetLayers, session: SessionView) -> None:
         """Nothing to keep: this drafter runs its own layers (the runtime calls this on every draft state)."""
 
     @property
@@ -235,7 +208,7 @@ class DraftRunner:
         self.num_spec = E + T
         return logits, out
 
-    @torch.inference_mode()
+    @inference
     def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
         """Append prefix entries: tokens [B, T] = x_{t+1}, feats [B, T, F] = target aux f_t, counts[b] valid.
 
@@ -250,13 +223,13 @@ class DraftRunner:
         self.logits, self.hidden = logits[:, 0], take_rows(out, last)[:, 0]  # [B, N], [B, H]
         self.lens = self.lens + counts
 
-    @torch.inference_mode()
+    @inference
     def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None) -> ChainDraft:
         """k draft tokens per request, greedy or sampled; draft j's entry sits at position lens + j and sees
         the prefix and drafts 0..j."""
         return run_chain(self, lambda j: self, k, temperature, top_p, gen)
 
-    @torch.inference_mode()
+    @inference
     def tree(self, roots: torch.Tensor, topk: int, depth: int, budget: int,
              max_depth: torch.Tensor | None = None) -> Proposal:
         """EAGLE-2 dynamic tree: expand the `topk` best frontier nodes by cumulative log-prob for `depth`
@@ -331,7 +304,7 @@ class ModuleChainRunner:
         self.runners = [DraftRunner(_Module(drafter, m), batch, capacity, device)
                         for m in range(drafter.chain_modules)]
 
-    def bind(self, model: Any, session: Any) -> None:
+    def bind(self, target: TargetLayers, session: SessionView) -> None:
         """Nothing to keep: this drafter runs its own layers (the runtime calls this on every draft state)."""
 
     def select(self, rows: torch.Tensor) -> None:
@@ -342,7 +315,7 @@ class ModuleChainRunner:
         for r in self.runners:
             r.extend(tokens, feats, counts)
 
-    @torch.inference_mode()
+    @inference
     def chain(self, k: int, temperature: float, top_p: float, gen: torch.Generator | None) -> ChainDraft:
         """k draft tokens per request (see `run_chain`): module 0's last prefix entry drafts the first, and
         draft j's entry goes to module (j + 1) % M, after that module's own entries."""
@@ -376,3 +349,9 @@ def select_nodes(roots: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, pa
     parents = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), par], dim=1)  # [B, M+1]
     kept_depth = depth.gather(1, keep).masked_fill(~valid, 0)
     return Proposal(tokens, parents, 1 + valid.sum(1), kept_depth.amax(1), None, False)
+
+
+
+def _declared(r: DraftRunner, m: ModuleChainRunner) -> tuple[ChainState, TreeState, ChainState]:
+    """Never called: mypy holds each shared runner to the protocols of the modes it drafts in."""
+    return r, r, m

@@ -21,7 +21,8 @@ from torch import nn
 
 from drafthead.kernels import cpu_linear
 from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
-from drafthead.runtime.draft import Proposal, chain_proposal, merge_ngram, ngram_lookup
+from drafthead.runtime.contract import DraftMode, DraftState, Proposal, SpecConfig, inference
+from drafthead.runtime.draft import chain_proposal, merge_ngram, ngram_lookup
 from drafthead.runtime.model import TargetModel
 from drafthead.runtime.sampling import greedy, probs, sample
 from drafthead.target import Target
@@ -32,26 +33,6 @@ EMA_ALPHA = 0.2  # weight of the newest round in the acceptance EMA (SGLang's ad
 # runtime/model.py), so AR and speculative runs must size it alike: with verify blocks of at most this
 # many nodes they do, and their greedy outputs are then bitwise equal in bf16.
 CACHE_SLACK = 64
-
-
-@dataclass
-class SpecConfig:
-    mode: str = "chain"  # "ar" (no drafting: our own autoregressive loop) | "chain" | "tree" | "ngram" | "block"
-    # draft depth: drafts per round along one path (chain length, deepest tree path; block: the first this
-    # many of the block's B-1 slots are verified)
-    num_draft_tokens: int = 4
-    tree_nodes: int = 8  # tree: draft nodes verified per round (excl. the root; EAGLE-2 dynamic tree)
-    topk: int = 4  # tree: children expanded per node
-    temperature: float = 0.0
-    top_p: float = 1.0
-    adaptive: bool = False  # adaptive draft depth (chain: k in [1, max]; tree: depth)
-    ngram: bool = False  # stack the n-gram / prompt-lookup drafter with the trained drafter (longer proposal wins)
-    ngram_n: int = 3  # match length for prompt lookup
-    seed: int = 0
-    batch_size: int = 1  # requests verified together
-    # chain: a request's drafts for the round end before the first token whose draft probability is below
-    # this (llama.cpp's draft p_min; drafters that support it: the LoRA self-drafter); 0 = off
-    draft_stop_prob: float = 0.0
 
 
 @dataclass
@@ -105,9 +86,10 @@ class SpeculativeGenerator:
         self.drafter = drafter.to(self.device).eval() if drafter is not None else None
         # bf16 drafts on CPU draft through the packed decode kernel (a copy; the drafter passed in is untouched)
         # (a drafter that runs through the target's own runtime layers gives its own `runtime_module`)
-        own = self.drafter.runtime_module() if drafter is not None else None
-        self.draft_model = None if drafter is None else (
-            own if own is not None else cpu_linear.with_packed_linears(self.drafter))
+        self.draft_model: nn.Module | None = None
+        if self.drafter is not None:
+            own = self.drafter.runtime_module()
+            self.draft_model = own if own is not None else cpu_linear.with_packed_linears(self.drafter)
         aux = check_drafter(drafter, target.config) if drafter is not None else []
         last = drafter is not None and drafter.features == "last"
         self.model = TargetModel(target.model.to(self.device), aux, capture_last=last, weights=weights)
@@ -164,7 +146,7 @@ class SpeculativeGenerator:
                 raise ValueError(f"prompt {i} has token ids outside the target vocab [0, {V})")
 
     # ---- one batch ------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def run_batch(self, reqs: list[_Request], spec: SpecConfig, gen: torch.Generator,
                   stream: Callable[[int, list[int]], None] | None) -> None:
         s = _Session(self, reqs, spec, gen, stream)
@@ -186,7 +168,9 @@ class _Session:
         self.use_drafter = spec.mode not in OWN_MODES
         self.use_ngram = spec.mode == "ngram" or (self.use_drafter and spec.ngram)
         # the drafter's entry for this mode; longest proposal along one path, verify nodes per round, n-gram cap
-        self.mode = g.drafter.draft_modes[spec.mode] if self.use_drafter else None
+        self.mode: DraftMode | None = None
+        if self.use_drafter and g.drafter is not None:  # `check` refused a drafting mode without a drafter
+            self.mode = g.drafter.draft_modes[spec.mode]
         if self.mode is not None:
             self.max_len, self.max_nodes = spec.num_draft_tokens, self.mode.max_nodes(spec)
             self.ngram_cap = self.mode.ngram_cap(spec)
@@ -199,9 +183,10 @@ class _Session:
         self.cache = g.model.new_cache(B, self.capacity)
         self.lens = torch.zeros(B, dtype=torch.long, device=self.dev)  # target tokens cached per request
         self.roots = torch.zeros(B, dtype=torch.long, device=self.dev)  # last accepted token, not yet cached
-        self.draft = g.draft_model.draft_state(B, self.capacity, self.dev) if self.use_drafter else None
-        if self.draft is not None:  # a drafter that runs the target's layers and cache keeps them
-            self.draft.bind(g.model, self)
+        self.draft: DraftState | None = None
+        if self.use_drafter and g.draft_model is not None:  # one that runs the target's layers keeps these views
+            self.draft = g.draft_model.draft_state(B, self.capacity, self.dev)
+            self.draft.bind(g.model.layers_view(), _SessionView(self))
         # adaptive draft length per request: EMA of accept_len, k = round(ema) + 1
         self.ema = torch.full((B,), (self.max_len - 1) / 2, device=self.dev)
 
@@ -249,7 +234,7 @@ class _Session:
         return (self.ema.round().long() + 1).clamp(1, self.max_len)
 
     # ---- prefill --------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def prefill(self) -> None:
         B = len(self.reqs)
         plen = torch.tensor([len(r.prompt) for r in self.reqs], device=self.dev)
@@ -271,7 +256,7 @@ class _Session:
         self.select(keep)
 
     # ---- one round ------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @inference
     def step(self) -> None:
         if self.spec.mode == "ar":
             return self.step_ar()
@@ -333,6 +318,7 @@ class _Session:
                                   torch.zeros(B, dtype=torch.long, device=self.dev))
             lengths = lengths * 0
         else:  # the drafter's own table: chain, tree, block, or whatever its family adds
+            assert self.mode is not None and self.draft is not None, "only a drafting mode reaches here"
             prop = self.mode.propose(self.draft, self.roots, lengths, spec, self.gen)
         if self.use_ngram:
             use = [len(g) > int(n) for g, n in zip(grams, prop.depth)]
@@ -363,6 +349,31 @@ class _Session:
                                                          p, u[:, 1:], ub)
             return accept_len, chain_path(accept_len, N), nxt
         return ops.rejection_sample_tree(prop.tokens, prop.parents, prop.num_nodes, p, q, u, ub)
+
+
+class _SessionView:
+    """A session as `contract.SessionView` (read-only) for the draft state it binds."""
+
+    __slots__ = ("_s",)
+
+    def __init__(self, session: _Session) -> None:
+        self._s = session
+
+    @property
+    def spec(self) -> SpecConfig:
+        return self._s.spec
+
+    @property
+    def roots(self) -> torch.Tensor:
+        return self._s.roots
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self._s.lens
+
+    @property
+    def cache(self) -> torch.Tensor:
+        return self._s.cache
 
 
 def chain_path(accept_len: torch.Tensor, N: int) -> torch.Tensor:

@@ -166,6 +166,12 @@ class TargetModel:
             fast = self._packed.get(group)
         return fast
 
+    def packed_one(self, proj: nn.Module) -> cpu_linear.PackedLinear:
+        """One projection's packed weight: `packed` of a single projection, which always packs."""
+        fast = self.packed(proj)
+        assert fast is not None, "a single projection always packs"
+        return fast
+
     def streamed_bytes(self) -> int:
         """Bytes of projection weights one generated token streams (what bounds a decode step)."""
         if not self.decode_kernel:
@@ -197,6 +203,10 @@ class TargetModel:
             if is_moe:
                 moe += moe_active_bytes(layer.mlp, self.model.config) // next(layer.mlp.parameters()).element_size()
         return dense + moe
+
+    def layers_view(self) -> LayersView:
+        """What a self-draft may run of this model (`contract.TargetLayers`)."""
+        return LayersView(self)
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
         """Zeroed KV cache [B, L*2*kvh, S, D]."""
@@ -273,7 +283,9 @@ class TargetModel:
         B, T, _ = h.shape
         attn = layer.self_attn
         ops = self.decode_ops and not prefill  # generated tokens on CPU: the extension's one-call ops
-        if ops and self.fused and (step := self.fused_layer(i, layer)) is not None:
+        # the one-call step holds layer i's own packed weights: another layer run on slot i of a cache (a self-draft's
+        # exit block) goes op by op, never through them
+        if ops and self.fused and layer is self.layers[i] and (step := self.fused_layer(i, layer)) is not None:
             return step.forward(h, cos, sin, cache, slots, mask)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         x = rms_norm(layer.input_layernorm, h, ops)
@@ -318,8 +330,8 @@ class TargetModel:
             qkv, gate_up = self.packed(a.q_proj, a.k_proj, a.v_proj), self.packed(m.gate_proj, m.up_proj)
             self._fused[i] = None if qkv is None or gate_up is None else cpu_linear.decode_layer(
                 i, a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim, a.head_dim, a.scaling,
-                layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed(a.o_proj), gate_up,
-                self.packed(m.down_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None), stream=True)
+                layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed_one(a.o_proj), gate_up,
+                self.packed_one(m.down_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None), stream=True)
         return self._fused[i]
 
     def project(self, group: tuple[nn.Module, ...], x: torch.Tensor, prefill: bool = False) -> list[torch.Tensor]:
@@ -334,13 +346,62 @@ class TargetModel:
         tokens decoded one by one). On CPU: generated tokens through the packed decode kernel of the dtype;
         bf16 prompts through oneDNN in chunks of INVARIANT_ROWS rows."""
         if self.decode_kernel and not prefill:
-            return self.packed(proj)(x)
+            return self.packed_one(proj)(x)
         rows = x.shape[0] * x.shape[1]
         if not self.chunk_rows or rows <= INVARIANT_ROWS:
             return proj(x)
         flat = x.reshape(rows, x.shape[-1])
         out = torch.cat([proj(flat[i: i + INVARIANT_ROWS]) for i in range(0, rows, INVARIANT_ROWS)])
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class LayersView:
+    """A target model as `contract.TargetLayers`: the part of the runtime a self-draft runs (its block math, kernels
+    and KV layout), and nothing it could change."""
+
+    __slots__ = ("_m",)
+
+    def __init__(self, model: TargetModel) -> None:
+        self._m = model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._m.dtype
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._m.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._m.head_dim
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._m.model.lm_head
+
+    def layer(self, i: int) -> nn.Module:
+        return self._m.layers[i]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._m.base.embed_tokens(ids)
+
+    def rotary(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._m.base.rotary_emb(h, position_ids=positions)
+
+    def causal_mask(self, lens: torch.Tensor, T: int, S: int) -> torch.Tensor:
+        return attention_mask(lens, T, S, None)
+
+    def block(self, i: int, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              cache: torch.Tensor, positions: torch.Tensor, start: int | None, S: int, mask: torch.Tensor,
+              prefill: bool = False) -> torch.Tensor:
+        return self._m.block(i, layer, h, cos, sin, cache, positions, start, S, mask, prefill)
+
+    def norm(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(norm, h)
+
+    def linear(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self._m.linear(proj, x)
 
 
 def moe_block(mlp: nn.Module, model_type: str, i: int) -> bool:
