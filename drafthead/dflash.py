@@ -513,8 +513,8 @@ def propose_block(state: BlockState, roots: torch.Tensor, lengths: torch.Tensor,
 
 
 def check_block(spec: SpecConfig, drafter: DflashDrafter) -> str | None:
-    if spec.num_draft_tokens > drafter.config.num_draft_tokens:
-        return (f"spec.num_draft_tokens={spec.num_draft_tokens}: a block of this draft has "
+    if spec.num_speculative_tokens > drafter.config.num_draft_tokens:
+        return (f"spec.num_speculative_tokens={spec.num_speculative_tokens}: a block of this draft has "
                 f"{drafter.config.num_draft_tokens} draft slots")
     return None
 

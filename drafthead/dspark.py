@@ -296,8 +296,8 @@ def propose_dspark(state: DsparkState, roots: torch.Tensor, lengths: torch.Tenso
 
 
 def check_dspark(spec: SpecConfig, drafter: DsparkDrafter) -> str | None:
-    if spec.num_draft_tokens > drafter.config.num_draft_tokens:
-        return (f"spec.num_draft_tokens={spec.num_draft_tokens}: a block of this draft has "
+    if spec.num_speculative_tokens > drafter.config.num_draft_tokens:
+        return (f"spec.num_speculative_tokens={spec.num_speculative_tokens}: a block of this draft has "
                 f"{drafter.config.num_draft_tokens} drafts")
     if spec.draft_stop_prob > 0 and drafter.confidence_head is None:
         return "spec.draft_stop_prob > 0 stops on the confidence head, and this draft has none"

@@ -130,6 +130,11 @@ def options(obj: Any, prefix: str = "") -> list[Option]:
     return out
 
 
+# command keys renamed since a release: old -> (new, why); a command that has the new key names it for the old
+RENAMED = {"num_draft_tokens": ("num_speculative_tokens", "the runtime's drafts a round, vLLM's name; num_draft_tokens "
+                                "is the depth a draft was trained to, drafter.<family>.num_draft_tokens")}
+
+
 def closest(key: str, keys: list[str]) -> str:
     """' (did you mean 'K'?)' for the known key nearest `key`, or ''."""
     leaf = key.rsplit(".", 1)[-1]
@@ -165,6 +170,8 @@ def parse(cls: type, argv: list[str] | dict[str, str], error: type[Exception] = 
     opts = {o.key: o for o in listed}
     keys = all_keys(listed)
     for k in pairs:
+        if k in RENAMED and RENAMED[k][0] in opts:
+            raise error(f"'{k}' is now '{RENAMED[k][0]}' here ({RENAMED[k][1]})")
         if k not in opts:
             raise error(f"unknown config key '{k}'{closest(k, keys)}")
     dotlist = [f"{k}=null" if v in NONE_WORDS and opts[k].optional else f"{k}={v}" for k, v in pairs.items()]

@@ -56,9 +56,10 @@ class PeagleConfig(Eagle3Config):
 def check_depth(spec: SpecConfig, drafter: Any) -> str | None:
     """A round drafts at most K tokens: entries past the trained mask depths have never been trained."""
     k = drafter.config.num_draft_tokens
-    if spec.num_draft_tokens > k:
-        return (f"num_draft_tokens={spec.num_draft_tokens}: this P-EAGLE draft proposes at most {k} tokens a round "
-                f"(the depths it was trained with, drafter.peagle.num_draft_tokens); use num_draft_tokens <= {k}")
+    if spec.num_speculative_tokens > k:
+        return (f"num_speculative_tokens={spec.num_speculative_tokens}: this P-EAGLE draft proposes at most {k} tokens "
+                f"a round (the depths it was trained with, drafter.peagle.num_draft_tokens); use "
+                f"num_speculative_tokens <= {k}")
     return None
 
 

@@ -40,7 +40,7 @@ class BenchConfig:
     heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
     max_prompts: int = 8  # first user turn of each
     max_new_tokens: int = 128  # new tokens per prompt, at most
-    num_draft_tokens: int = 4  # draft depth: chain length, deepest tree path, n-gram proposal
+    num_speculative_tokens: int = 2  # drafts per round: chain length, deepest tree path, n-gram proposal
     tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4  # tree: children expanded per node
     ngram_n: int = 3  # n-gram: match length of the prompt lookup
@@ -65,7 +65,7 @@ class BenchConfig:
 def validate(cfg: BenchConfig) -> None:
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(DATASETS)}")
-    for name in ("max_prompts", "max_new_tokens", "num_draft_tokens", "tree_nodes", "topk", "ngram_n",
+    for name in ("max_prompts", "max_new_tokens", "num_speculative_tokens", "tree_nodes", "topk", "ngram_n",
                  "prompt_lookup_num_tokens", "verify_prefix", "verify_repeats"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
@@ -328,18 +328,18 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     tok = target.tokenizer
     prompts = [chat_prompt(tok, [{"role": "user", "content": s.turns[0]}]) for s in samples]
 
-    base = dict(temperature=0.0, num_draft_tokens=cfg.num_draft_tokens, tree_nodes=cfg.tree_nodes, topk=cfg.topk,
-                ngram_n=cfg.ngram_n, batch_size=1)
+    base = dict(temperature=0.0, num_speculative_tokens=cfg.num_speculative_tokens, tree_nodes=cfg.tree_nodes,
+                topk=cfg.topk, ngram_n=cfg.ngram_n, batch_size=1)
     methods: dict[str, Callable | str] = {
         "ar (ours)": runtime_method(generator, SpecConfig(mode="ar", **base)),
         "hf generate greedy": hf_method(target.model, device),
         f"hf prompt lookup ({cfg.prompt_lookup_num_tokens})": hf_method(
             target.model, device, prompt_lookup_num_tokens=cfg.prompt_lookup_num_tokens),
-        f"ngram n={cfg.ngram_n} k={cfg.num_draft_tokens} (ours)": runtime_method(
+        f"ngram n={cfg.ngram_n} k={cfg.num_speculative_tokens} (ours)": runtime_method(
             generator, SpecConfig(mode="ngram", **base)),
     }
-    chain = f"draft chain k={cfg.num_draft_tokens} (ours)"
-    tree = f"draft tree depth={cfg.num_draft_tokens} topk={cfg.topk} nodes={cfg.tree_nodes} (ours)"
+    chain = f"draft chain k={cfg.num_speculative_tokens} (ours)"
+    tree = f"draft tree depth={cfg.num_speculative_tokens} topk={cfg.topk} nodes={cfg.tree_nodes} (ours)"
     modes = drafter.draft_modes if drafter is not None else ()
     why = "skipped: draft=none" if drafter is None else f"skipped: a {drafter.family} draft drafts {', '.join(modes)}"
     methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base)) if "chain" in modes else why
@@ -349,7 +349,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     if "block" in modes:
         for n in block_sizes(cfg, drafter.config.num_draft_tokens):
             methods[f"draft block k={n} (ours)"] = runtime_method(
-                generator, SpecConfig(mode="block", **{**base, "num_draft_tokens": n}))
+                generator, SpecConfig(mode="block", **{**base, "num_speculative_tokens": n}))
 
     timed = time_methods({n: r for n, r in methods.items() if not isinstance(r, str)}, prompts, cfg.max_new_tokens,
                          device, cfg.progress)

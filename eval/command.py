@@ -36,10 +36,13 @@ class EvalConfig:
     gguf_file: str | None = None  # the .gguf file inside target, when it is a folder or hub id holding several
     heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
     mode: str | None = None  # default: the draft's first mode (chain; block for DFlash), ngram without
-    num_draft_tokens: int = 4  # draft depth (chain length, deepest tree path)
+
+    # drafts per round along one path (chain length, deepest tree path, block slots verified); vLLM's name. Not the
+    # depth a draft was trained to (its config's num_draft_tokens): a chain may draft past that
+    num_speculative_tokens: int = 2
     tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4  # tree: children expanded per node
-    adaptive: bool = False  # adaptive draft depth (chain: k in [1, num_draft_tokens]; tree: depth)
+    adaptive: bool = False  # adaptive draft length (chain: k in [1, num_speculative_tokens]; tree: depth)
     draft_stop_prob: float = 0.0  # chain: end a request's drafts before the first below this draft probability
     ngram: bool = False  # stack prompt lookup (n-gram) with the draft: the longer proposal wins
     ngram_n: int = 3  # n-gram: match length of the prompt lookup
@@ -91,7 +94,7 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
               ("max_prompts", cfg.max_prompts, cfg.max_prompts is None or cfg.max_prompts > 0, "> 0"),
               ("temperature", cfg.temperature, cfg.temperature >= 0, ">= 0"),
               ("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]"),
-              ("num_draft_tokens", cfg.num_draft_tokens, cfg.num_draft_tokens >= 1, ">= 1"),
+              ("num_speculative_tokens", cfg.num_speculative_tokens, cfg.num_speculative_tokens >= 1, ">= 1"),
               ("tree_nodes", cfg.tree_nodes, cfg.tree_nodes >= 1, ">= 1"),
               ("topk", cfg.topk, cfg.topk >= 1, ">= 1"),
               ("ngram_n", cfg.ngram_n, cfg.ngram_n >= 1, ">= 1"),
@@ -181,11 +184,11 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
         {"settings": {"spec": dataclasses.asdict(spec), **settings}, "num_prompts": len(samples)}
     if "vllm" in use:
         print(f"vLLM ({vllm_python}): target alone, "
-              + (f"the draft at {spec.num_draft_tokens} tokens a round, " if drafter is not None else "")
+              + (f"the draft at {spec.num_speculative_tokens} tokens a round, " if drafter is not None else "")
               + "n-gram, one process each ...")
         report["vllm"] = vllm_engine.evaluate(
             vllm_python, target, [list(s.turns) for s in samples], cfg.draft if drafter is not None else None,
-            family(drafter.family) if drafter is not None else None, Path(cfg.out), spec.num_draft_tokens,
+            family(drafter.family) if drafter is not None else None, Path(cfg.out), spec.num_speculative_tokens,
             cfg.max_new_tokens, settings["dtype"], cfg.temperature, cfg.top_p, cfg.seed, cfg.ngram_n,
             cfg.batch_size)
         if report.get("mean_accepted_per_round") is not None:  # our tau as vLLM counts it, for the side by side

@@ -117,7 +117,7 @@ def ours_runtime(draft: str, prompts: list[str], max_new: int, ks: list[int], th
     mode = next(iter(drafter.draft_modes))
     out: dict = {"mode": mode}
     for key, spec in [("ar", SpecConfig(mode="ar", temperature=0.0))] + \
-            [(k, SpecConfig(mode=mode, num_draft_tokens=k, temperature=0.0, draft_stop_prob=p_min)) for k in ks]:
+            [(k, SpecConfig(mode=mode, num_speculative_tokens=k, temperature=0.0, draft_stop_prob=p_min)) for k in ks]:
         gen.generate([ids[0]], 8, spec)  # warm-up
         tokens = rounds = 0
         accepts = []

@@ -38,7 +38,7 @@ def bench_generate(target, gen: SpeculativeGenerator, prompt: list[int], new: in
         (r,) = gen.generate([prompt], new, SpecConfig(mode="ar"))
         ours.append(len(r.tokens) / (time.perf_counter() - t))
         t = time.perf_counter()
-        (n,) = gen.generate([prompt], new, SpecConfig(mode="ngram", num_draft_tokens=4))
+        (n,) = gen.generate([prompt], new, SpecConfig(mode="ngram", num_speculative_tokens=4))
         ngram.append(len(n.tokens) / (time.perf_counter() - t))
     return {"hf_generate_tok_s": statistics.median(hf), "ar_loop_tok_s": statistics.median(ours),
             "ngram_tok_s": statistics.median(ngram), "ngram_tau": len(n.tokens) / max(n.num_rounds, 1),

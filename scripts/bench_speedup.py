@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="max new tokens per turn")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="target dtype (auto: bf16 where native, fp32 elsewhere)")
-    ap.add_argument("--k", type=int, default=2, help="draft chain length (num_draft_tokens)")
+    ap.add_argument("--k", type=int, default=2, help="draft chain length (num_speculative_tokens)")
     ap.add_argument("--no-ngram", action="store_true", help="do not stack prompt lookup on the draft")
     ap.add_argument("--hf-fp32", action="store_true", help="also time HF generate on fp32 weights")
     ap.add_argument("--threads", type=int, default=2)
@@ -51,7 +51,7 @@ def main() -> None:
         fp32 = load_target(target.name_or_path, target.gguf_file, dtype="float32").model
         methods["HF generate (float32)"] = hf_method(fp32, "cpu")
     spec_name = f"chain k={a.k}" + ("" if a.no_ngram else " + n-gram")
-    methods[spec_name] = runtime_method(gen, SpecConfig(mode="chain", num_draft_tokens=a.k, ngram=not a.no_ngram))
+    methods[spec_name] = runtime_method(gen, SpecConfig(mode="chain", num_speculative_tokens=a.k, ngram=not a.no_ngram))
     warm = chat_prompt(tok, [{"role": "user", "content": "Hello"}])
     for f in methods.values():
         f(warm, 8)

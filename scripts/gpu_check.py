@@ -419,9 +419,9 @@ def section_runtime(ctx: dict) -> dict:
     eos = small.config.eos_token_id
     want = [reference_greedy(small, p, n_new, eos, device) for p in prompts]
     checks = []
-    settings = [("eagle3", SpecConfig(mode="ar")), ("eagle3", SpecConfig(mode="chain", num_draft_tokens=4)),
-                ("eagle3", SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=8, topk=2)),
-                ("dflash", SpecConfig(mode="block", num_draft_tokens=3))]
+    settings = [("eagle3", SpecConfig(mode="ar")), ("eagle3", SpecConfig(mode="chain", num_speculative_tokens=4)),
+                ("eagle3", SpecConfig(mode="tree", num_speculative_tokens=4, tree_nodes=8, topk=2)),
+                ("dflash", SpecConfig(mode="block", num_speculative_tokens=3))]
     for fam, spec in settings:
         gen = SpeculativeGenerator(small, drafters[fam], device=device)
         for bs in (1, 3):

@@ -139,6 +139,6 @@ def our_block_acceptance_by_position(data: Continuations, drafter: Any, n_predic
     tok = data.target.tokenizer
     prompts = [tok(p, add_special_tokens=False).input_ids for p in data.prompts]
     res = SpeculativeGenerator(data.target, drafter).generate(prompts, n_predict,
-                                                              SpecConfig(mode="block", num_draft_tokens=n_draft))
+                                                              SpecConfig(mode="block", num_speculative_tokens=n_draft))
     ours = [[sum(a > i for a in r.accept_lens) / len(r.accept_lens) for i in range(n_draft)] for r in res]
     return [sum(c) / len(c) for c in zip(*ours)]

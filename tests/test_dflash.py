@@ -233,10 +233,10 @@ def test_verify_fewer_drafts_than_the_block_and_reject_more(qwen3):
     prompt = [[5, 6, 7, 8, 9]]
     ar = gen.generate(prompt, 12, SpecConfig(mode="ar"))[0].tokens
     for k in (1, 2, 3):
-        res = gen.generate(prompt, 12, SpecConfig(mode="block", num_draft_tokens=k))[0]
+        res = gen.generate(prompt, 12, SpecConfig(mode="block", num_speculative_tokens=k))[0]
         assert res.tokens == ar and max(res.num_drafted) <= k
     with pytest.raises(ValueError, match="a block of this draft has 3 draft slots"):
-        gen.generate(prompt, 4, SpecConfig(mode="block", num_draft_tokens=4))
+        gen.generate(prompt, 4, SpecConfig(mode="block", num_speculative_tokens=4))
     with pytest.raises(ValueError, match="spec mode 'chain': this dflash draft drafts block only"):
         gen.generate(prompt, 4, SpecConfig(mode="chain"))
 
@@ -293,7 +293,7 @@ def test_block_verify_of_up_to_64_rows_is_lossless_through_the_decode_kernels(dt
     OracleBlockRunner.truth = [p + w for p, w in zip(prompts, want)]
     for k, batch in ((15, 4), (7, 4), (15, 1), (3, 2)):
         OracleBlockRunner.started = 0
-        got = gen.generate(prompts, 40, SpecConfig(mode="block", num_draft_tokens=k, batch_size=batch))
+        got = gen.generate(prompts, 40, SpecConfig(mode="block", num_speculative_tokens=k, batch_size=batch))
         assert [r.tokens for r in got] == want, (k, batch)
         accepted = [a for r in got for a in r.accept_lens]
         assert max(accepted) == k and min(accepted) < k, (k, batch)  # whole blocks taken and blocks cut
@@ -315,7 +315,7 @@ def test_sampled_block_drafting_matches_the_target():
         drafter.embed_tokens.weight.copy_(target.model.get_input_embeddings().weight)
         drafter.target_lm_head.weight.copy_(lm_head_weight(target.model))
     prompt = [3, 5, 1, 6]
-    spec = SpecConfig(mode="block", num_draft_tokens=3, temperature=1.0, batch_size=1000)
+    spec = SpecConfig(mode="block", num_speculative_tokens=3, temperature=1.0, batch_size=1000)
     res = SpeculativeGenerator(target, drafter.eval()).generate([prompt] * 8000, 3, spec)
     assert sum(r.accept_lens[0] for r in res if r.accept_lens) > 500  # the drafts do get accepted
     exact = exact_joint(target, prompt, 3, 1.0, 1.0)

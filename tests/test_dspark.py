@@ -129,7 +129,7 @@ def test_confidence_stop_cuts_drafts_and_stays_lossless(qwen3):
     gen = SpeculativeGenerator(qwen3, d)
     prompts = [ids[0, :6].tolist(), ids[0, 2:9].tolist()]
     ar = gen.generate(prompts, 12, SpecConfig(mode="ar"))
-    spec = gen.generate(prompts, 12, SpecConfig(mode="block", num_draft_tokens=4, draft_stop_prob=0.5))
+    spec = gen.generate(prompts, 12, SpecConfig(mode="block", num_speculative_tokens=4, draft_stop_prob=0.5))
     assert [r.tokens for r in spec] == [r.tokens for r in ar]
     assert any(n < 4 for r in spec for n in r.num_drafted)  # the stop cut some rounds
 
@@ -185,10 +185,10 @@ def test_bad_options_are_named(qwen3):
     d = make_drafter(qwen3)
     problems = d.check_data([{"id": "b", "input_ids": [5, 2, 7]}])
     assert len(problems) == 1 and problems[0].startswith("drafter.dspark.mask_token_id=2 occurs in 1")
-    spec = SpecConfig(mode="block", num_draft_tokens=5)
+    spec = SpecConfig(mode="block", num_speculative_tokens=5)
     assert "a block of this draft has 4 drafts" in d.draft_modes["block"].check(spec, d)
     plain = make_drafter(qwen3, confidence_head=False)
-    assert "has none" in plain.draft_modes["block"].check(SpecConfig(mode="block", num_draft_tokens=2,
+    assert "has none" in plain.draft_modes["block"].check(SpecConfig(mode="block", num_speculative_tokens=2,
                                                                      draft_stop_prob=0.3), plain)
 
 

@@ -196,7 +196,8 @@ def test_report_files_and_fields(tmp_path):
                                               [0] * 20, [0] * 20), 1.0) for g in spec]
     settings = {"dataset": "mt_bench", "draft": "/d", "target": "t", "max_new_tokens": 20,
                 "machine": {"device": "cpu", "torch_threads": 1}}
-    r = build_report(spec, ar, {"mode": "chain", "num_draft_tokens": k, "temperature": 0.0}, settings, num_prompts=2)
+    r = build_report(spec, ar, {"mode": "chain", "num_speculative_tokens": k, "temperature": 0.0}, settings,
+                     num_prompts=2)
     assert r["acceptance_length"] == 40 / 24  # 20 + 20 tokens over 4 + 20 forwards
     assert r["by_category"]["math"]["acceptance_length"] == k + 1
     assert r["by_category"]["coding"]["acceptance_length"] == 1
@@ -353,14 +354,15 @@ def test_run_eval_tiny_model_is_lossless_and_writes_the_report(tmp_path, mode):
     torch.set_num_threads(1)
     target, drafter = tiny_target_and_draft()
     cfg = EvalConfig(draft=None, target="tiny", dataset="mt_bench", max_prompts=2, max_new_tokens=12, mode=mode,
-                     num_draft_tokens=3, tree_nodes=3, topk=2, out=str(tmp_path / "out"), progress=False, device="cpu")
+                     num_speculative_tokens=3, tree_nodes=3, topk=2, out=str(tmp_path / "out"), progress=False,
+                     device="cpu")
     r = run_eval(cfg, target=target, drafter=drafter if mode != "ngram" else None)
     assert r["lossless"] is True, r["mismatches"]
     assert r["num_prompts"] == 2 and r["num_generations"] == 4  # 2 MT-Bench questions x 2 turns
     assert set(r["by_category"]) == {"writing", "roleplay"}
     assert r["settings"]["spec"]["mode"] == mode and r["settings"]["dataset"] == "mt_bench"
     assert r["baseline_target_forwards"] == r["baseline_generated_tokens"]  # AR: one token per forward
-    assert 1.0 <= r["acceptance_length"] <= (3 if mode == "tree" else cfg.num_draft_tokens) + 1
+    assert 1.0 <= r["acceptance_length"] <= (3 if mode == "tree" else cfg.num_speculative_tokens) + 1
     assert all(x is None or 0 <= x <= 1 for x in r["acceptance_rate_by_position"])
     on_disk = json.loads((tmp_path / "out" / "report.json").read_text())
     assert on_disk["speedup"] == r["speedup"] and on_disk["pays_off"] == (r["speedup"] > 1)
@@ -378,7 +380,7 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
     torch.set_num_threads(1)
     target, drafter = tiny_target_and_draft()
     cfg = BenchConfig(draft=None, target="tiny", dataset="humaneval", max_prompts=2, max_new_tokens=10,
-                      num_draft_tokens=3, tree_nodes=3, topk=2, verify_sizes=[1, 2, 8], verify_prefix=64,
+                      num_speculative_tokens=3, tree_nodes=3, topk=2, verify_sizes=[1, 2, 8], verify_prefix=64,
                       verify_repeats=2, out=str(tmp_path / "bench.json"), progress=False, device="cpu")
     r = run_bench(cfg, target=target, drafter=drafter)
     on_disk = json.loads((tmp_path / "bench.json").read_text())
@@ -450,10 +452,10 @@ def test_cli_eval_loads_target_from_the_draft_config_and_reads_the_heldout_split
     (tmp_path / "run" / "heldout.jsonl").write_text("".join(json.dumps(c) + "\n" for c in convs))
     out = tmp_path / "eval"
     assert main(["eval", f"draft={final}", "dataset=sharegpt", "max_prompts=2", "max_new_tokens=8", f"out={out}",
-                 "mode=chain", "num_draft_tokens=2", "progress=false", "device=cpu"]) == 0
+                 "mode=chain", "num_speculative_tokens=2", "progress=false", "device=cpu"]) == 0
     r = json.loads((out / "report.json").read_text())
     assert r["settings"]["target"] == str(tiny_llama_dir) and r["settings"]["draft"] == str(final.resolve())
-    assert r["settings"]["drafter_family"] == "eagle3" and r["settings"]["spec"]["num_draft_tokens"] == 2
+    assert r["settings"]["drafter_family"] == "eagle3" and r["settings"]["spec"]["num_speculative_tokens"] == 2
     assert r["num_prompts"] == 2 and list(r["by_category"]) == ["sharegpt"] and r["lossless"] is True
     gens = [json.loads(line) for line in (out / "generations.jsonl").read_text().splitlines()]
     assert [g["sample_id"] for g in gens] == ["sharegpt/h0", "sharegpt/h1"]
@@ -487,13 +489,13 @@ def test_drafthead_eval_on_smollm2_with_a_random_draft(smollm2_draft, tmp_path):
     _, final = smollm2_draft
     out = tmp_path / "eval"
     cmd = [sys.executable, "-m", "drafthead.cli", "eval", f"draft={final}", "dataset=mt_bench", "max_prompts=2",
-           "max_new_tokens=16", "temperature=0", f"out={out}", "mode=chain", "num_draft_tokens=3", "threads=1"]
+           "max_new_tokens=16", "temperature=0", f"out={out}", "mode=chain", "num_speculative_tokens=3", "threads=1"]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads((out / "report.json").read_text())
     assert r["lossless"] is True, r["mismatches"]
     assert r["num_prompts"] == 2 and r["num_generations"] == 4
-    assert r["settings"]["target"] == "smollm2-135m-instruct" and r["settings"]["spec"]["num_draft_tokens"] == 3
+    assert r["settings"]["target"] == "smollm2-135m-instruct" and r["settings"]["spec"]["num_speculative_tokens"] == 3
     assert r["settings"]["machine"]["torch_threads"] == 1 and r["settings"]["machine"]["device"] == "cpu"
     assert 1.0 <= r["acceptance_length"] <= 4.0 and len(r["acceptance_rate_by_position"]) <= 3
     assert r["baseline_tokens_per_s"] > 0 and r["speedup"] == pytest.approx(

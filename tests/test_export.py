@@ -272,7 +272,7 @@ LLAMA_FIELDS = {"model_type", "hidden_size", "intermediate_size", "num_hidden_la
 
 
 def test_speculators_config_and_names(setup, tmp_path):
-    out = export(setup["draft"], "speculators", tmp_path / "sp", num_draft_tokens=4)
+    out = export(setup["draft"], "speculators", tmp_path / "sp", num_speculative_tokens=4)
     cfg = json.loads((out / "config.json").read_text())
     assert SPECULATORS_TOP <= set(cfg)
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
@@ -523,7 +523,7 @@ def test_unknown_format_and_options(setup, tmp_path):
                        match=r"unknown export format to='onnx'; choose one of \['gguf', 'sglang', 'speculators'\]"):
         export(setup["draft"], "onnx", tmp_path / "o")
     with pytest.raises(ExportError, match="takes no option"):
-        export(setup["draft"], "sglang", tmp_path / "o", num_draft_tokens=3)
+        export(setup["draft"], "sglang", tmp_path / "o", num_speculative_tokens=3)
     with pytest.raises(ExportError, match="not a GGUF output type"):
         export(setup["draft"], "gguf", tmp_path / "o.gguf", outtype="q4_0")
     with pytest.raises(ExportError, match="must end in .gguf"):
@@ -545,8 +545,9 @@ def test_gguf_needs_target_gguf(setup, tmp_path):
 def test_formats_lists_what_the_family_exports_and_its_options(setup):
     from drafthead.export import formats
 
-    assert formats(setup["draft"]) == {"sglang": ["outtype"], "gguf": ["outtype"],
-                                       "speculators": ["outtype", "num_draft_tokens", "verifier", "store_embedding"]}
+    assert formats(setup["draft"]) == {
+        "sglang": ["outtype"], "gguf": ["outtype"],
+        "speculators": ["outtype", "num_speculative_tokens", "verifier", "store_embedding"]}
 
 
 def test_load_exported_checks_an_outside_checkpoint(setup, tmp_path):

@@ -184,7 +184,7 @@ def test_greedy_speculative_equals_ar_in_every_declared_mode(built):
     ar = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
     for mode in ds.drafter.draft_modes:
         for batch_size in (1, 3):
-            spec = SpecConfig(mode=mode, num_draft_tokens=3, tree_nodes=6, topk=2, batch_size=batch_size)
+            spec = SpecConfig(mode=mode, num_speculative_tokens=3, tree_nodes=6, topk=2, batch_size=batch_size)
             got = [r.tokens for r in gen.generate(prompts, 16, spec)]
             assert got == ar, (mode, batch_size)
 

@@ -88,7 +88,7 @@ def ours(world, name: str) -> float:
     tok = world["target"].tokenizer
     gen = SpeculativeGenerator(world["target"], world["drafters"][name])
     prompts = [tok(p, add_special_tokens=False).input_ids for p in world["prompts"]]
-    res = gen.generate(prompts, N_PREDICT, SpecConfig(mode="chain", num_draft_tokens=N_DRAFT))
+    res = gen.generate(prompts, N_PREDICT, SpecConfig(mode="chain", num_speculative_tokens=N_DRAFT))
     return sum(sum(r.accept_lens) for r in res) / sum(sum(r.num_drafted) for r in res)
 
 

@@ -201,8 +201,9 @@ def test_confidence_stop_drafts_less_and_stays_lossless(tiny_llama_dir):
     gen = SpeculativeGenerator(target, drafter)
     prompts = [s["input_ids"][:12] for s in samples(target.config.vocab_size, n=3, seed=7)]
     ar = [r.tokens for r in gen.generate(prompts, 20, SpecConfig(mode="ar"))]
-    full = gen.generate(prompts, 20, SpecConfig(mode="chain", num_draft_tokens=4, batch_size=3))
-    cut = gen.generate(prompts, 20, SpecConfig(mode="chain", num_draft_tokens=4, batch_size=3, draft_stop_prob=0.5))
+    full = gen.generate(prompts, 20, SpecConfig(mode="chain", num_speculative_tokens=4, batch_size=3))
+    cut = gen.generate(prompts, 20, SpecConfig(mode="chain", num_speculative_tokens=4, batch_size=3,
+                                               draft_stop_prob=0.5))
     assert [r.tokens for r in full] == ar and [r.tokens for r in cut] == ar
     drafted = lambda rs: sum(sum(r.num_drafted) for r in rs) / sum(r.num_rounds for r in rs)  # noqa: E731
     assert drafted(cut) < drafted(full) == 4
@@ -223,7 +224,7 @@ def test_a_self_draft_that_is_the_whole_target_drafts_its_tokens(dtype):
     drafter.attach_target(target.model, share=True)
     gen = SpeculativeGenerator(target, drafter.eval())
     prompts = [[3, 5, 1, 6, 9, 11, 4], [7, 8, 2, 2, 10]]
-    res = gen.generate(prompts, 24, SpecConfig(mode="chain", num_draft_tokens=3, batch_size=2))
+    res = gen.generate(prompts, 24, SpecConfig(mode="chain", num_speculative_tokens=3, batch_size=2))
     assert [r.tokens for r in res] == [r.tokens for r in gen.generate(prompts, 24, SpecConfig(mode="ar"))]
     assert [a == d for r in res for a, d in zip(r.accept_lens, r.num_drafted)] == [True] * sum(
         r.num_rounds for r in res)
@@ -246,7 +247,7 @@ def test_sampled_chain_keeps_the_target_distribution():
             if "lora_B" in name:
                 p.normal_(0, 0.3)
     prompt = [3, 5, 1, 6]
-    spec = SpecConfig(mode="chain", num_draft_tokens=2, temperature=1.0, batch_size=1000)
+    spec = SpecConfig(mode="chain", num_speculative_tokens=2, temperature=1.0, batch_size=1000)
     res = SpeculativeGenerator(target, drafter.eval()).generate([prompt] * 8000, 3, spec)
     assert sum(r.accept_lens[0] for r in res if r.accept_lens) > 500  # the drafts do get accepted
     tv = 0.5 * float((empirical_joint(res, 3) - exact_joint(target, prompt, 3, 1.0, 1.0)).abs().sum())

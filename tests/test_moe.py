@@ -68,10 +68,10 @@ def test_moe_forward_matches_hf(moe: Target) -> None:
     assert tm.streamed_bytes() < sum(p.numel() * 8 for p in m.parameters()) - experts * 8 // 2 + 1
 
 
-SETTINGS = [SpecConfig(mode="ar"), SpecConfig(mode="chain", num_draft_tokens=3),
-            SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6, topk=2),
-            SpecConfig(mode="ngram", num_draft_tokens=3),
-            SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, adaptive=True)]
+SETTINGS = [SpecConfig(mode="ar"), SpecConfig(mode="chain", num_speculative_tokens=3),
+            SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=6, topk=2),
+            SpecConfig(mode="ngram", num_speculative_tokens=3),
+            SpecConfig(mode="chain", num_speculative_tokens=2, ngram=True, adaptive=True)]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -85,7 +85,7 @@ def test_moe_greedy_speculative_equals_plain_greedy(moe: Target, batch: int) -> 
             assert [r.tokens for r in gen.generate(prompts, 16, s)] == want, (type(drafter).__name__, s)
     block = SpeculativeGenerator(moe, make_drafter(moe, block_size=4, ids=(0, 1)).double())
     for k in (1, 3):
-        got = block.generate(prompts, 16, SpecConfig(mode="block", num_draft_tokens=k, batch_size=batch))
+        got = block.generate(prompts, 16, SpecConfig(mode="block", num_speculative_tokens=k, batch_size=batch))
         assert [r.tokens for r in got] == want, k
 
 

@@ -480,7 +480,7 @@ def test_train_end_to_end(mode: str, tiny_llama_dir, tiny_sharegpt, tmp_path, mo
     prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
     prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
     ar = gen.generate([list(prompt)], 12, SpecConfig(mode="ar"))[0].tokens
-    assert gen.generate([list(prompt)], 12, SpecConfig(mode="chain", num_draft_tokens=3))[0].tokens == ar
+    assert gen.generate([list(prompt)], 12, SpecConfig(mode="chain", num_speculative_tokens=3))[0].tokens == ar
 
 
 def test_config_rejects_bad_mtp_settings():
@@ -520,12 +520,12 @@ def prompts(n: int, seed: int, lo: int = 2, hi: int = 10) -> list[list[int]]:
             for _ in range(n)]
 
 
-RUNTIME = [SpecConfig(mode="chain", num_draft_tokens=k) for k in (1, 3, 5)] + [
-    SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True, batch_size=3),
-    SpecConfig(mode="chain", num_draft_tokens=3, ngram=True, batch_size=2),
+RUNTIME = [SpecConfig(mode="chain", num_speculative_tokens=k) for k in (1, 3, 5)] + [
+    SpecConfig(mode="chain", num_speculative_tokens=4, adaptive=True, batch_size=3),
+    SpecConfig(mode="chain", num_speculative_tokens=3, ngram=True, batch_size=2),
 ]
-TREES = [SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6, topk=2),
-         SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=8, topk=2, adaptive=True, batch_size=3)]
+TREES = [SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=6, topk=2),
+         SpecConfig(mode="tree", num_speculative_tokens=4, tree_nodes=8, topk=2, adaptive=True, batch_size=3)]
 
 
 @pytest.mark.parametrize("recursive", [True, False])
@@ -546,7 +546,7 @@ def test_greedy_is_lossless_with_random_mtp_drafter(recursive: bool):
 def test_sampling_with_sequential_mtp_runs_and_respects_budget():
     target = runtime_target()
     gen = SpeculativeGenerator(target, tiny_mtp(target.model, K=2, recursive=False))
-    res = gen.generate(prompts(2, seed=4), 10, SpecConfig(mode="chain", num_draft_tokens=3, temperature=0.8,
+    res = gen.generate(prompts(2, seed=4), 10, SpecConfig(mode="chain", num_speculative_tokens=3, temperature=0.8,
                                                           batch_size=2))
     assert all(1 <= len(r.tokens) <= 10 for r in res)
     assert all(0 <= a <= 3 for r in res for a in r.accept_lens)
@@ -606,7 +606,7 @@ def test_oracle_mtp_accepts_every_draft():
     k, rounds = 3, 3
     ps = [p for p in prompts(6, seed=9) if EOS not in reference_greedy(target, p, 1 + rounds * (k + 1))][:2]
     assert ps
-    for r in gen.generate(ps, 1 + rounds * (k + 1), SpecConfig(mode="chain", num_draft_tokens=k)):
+    for r in gen.generate(ps, 1 + rounds * (k + 1), SpecConfig(mode="chain", num_speculative_tokens=k)):
         assert r.accept_lens == [k] * rounds
 
 

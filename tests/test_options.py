@@ -98,7 +98,7 @@ def test_help_shows_the_recipes_values_and_the_top_level_lists_commands(capsys):
     out = capsys.readouterr().out
     assert "drafter.family=mtp " in out and "values shown: recipe=mtp_smollm2" in out
     assert main(["export", "-h"]) == 0
-    assert "eagle3: to=sglang [outtype], to=speculators [outtype num_draft_tokens verifier store_embedding]" in \
+    assert "eagle3: to=sglang [outtype], to=speculators [outtype num_speculative_tokens verifier store_embedding]" in \
         capsys.readouterr().out
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -112,6 +112,10 @@ def test_help_shows_the_recipes_values_and_the_top_level_lists_commands(capsys):
     (["export", "outype=f16"], "unknown config key 'outype' (did you mean 'outtype'?)"),
     (["capture", "capture.shard_sample=3"], "unknown config key 'capture.shard_sample' (did you mean "
                                              "'capture.shard_samples'?)"),
+    # the runtime's draft length has its own name; the old one is named as renamed, for every command that reads it
+    (["eval", "num_draft_tokens=2"], "'num_draft_tokens' is now 'num_speculative_tokens' here"),
+    (["bench", "num_draft_tokens=2"], "'num_draft_tokens' is now 'num_speculative_tokens' here"),
+    (["export", "num_draft_tokens=2"], "'num_draft_tokens' is now 'num_speculative_tokens' here"),
 ])
 def test_unknown_keys_name_the_nearest_known_one(argv, said, capsys):
     assert main(argv) == 2

@@ -91,7 +91,7 @@ def test_one_draft_forward_a_round_and_lossless(tiny_llama_dir, dtype, monkeypat
     monkeypatch.setattr(PeagleDrafter, "decode", decode)
     monkeypatch.setattr(ParallelRunner, "extend", extend)
     for batch_size in (1, 3):
-        got = [r.tokens for r in gen.generate(prompts, 20, SpecConfig(mode="chain", num_draft_tokens=K,
+        got = [r.tokens for r in gen.generate(prompts, 20, SpecConfig(mode="chain", num_speculative_tokens=K,
                                                                       batch_size=batch_size))]
         assert got == ar, batch_size
     assert extends.calls > len(prompts) and decodes.calls == extends.calls
@@ -116,8 +116,8 @@ def test_sampling_matches_the_target_exactly():
         drafter.lm_head.weight.mul_(5.0)
     gen = SpeculativeGenerator(target, drafter)
     prompt = [3, 5, 1, 6]
-    for spec in (SpecConfig(mode="chain", num_draft_tokens=K, temperature=1.0),
-                 SpecConfig(mode="chain", num_draft_tokens=2, temperature=0.7, top_p=0.8)):
+    for spec in (SpecConfig(mode="chain", num_speculative_tokens=K, temperature=1.0),
+                 SpecConfig(mode="chain", num_speculative_tokens=2, temperature=0.7, top_p=0.8)):
         res = gen.generate([prompt] * 8000, 3, SpecConfig(**{**spec.__dict__, "batch_size": 1000}))
         exact = exact_joint(target, prompt, 3, spec.temperature, spec.top_p)
         tv = 0.5 * float((empirical_joint(res, 3) - exact).abs().sum())
@@ -129,8 +129,8 @@ def test_serving_more_than_trained_and_mask_token_in_data_are_named(tiny_llama_d
     target = load_target(str(tiny_llama_dir), dtype="float32")
     drafter = make_draft(tiny_llama_dir)
     gen = SpeculativeGenerator(target, drafter)
-    with pytest.raises(ValueError, match=r"num_draft_tokens=4: this P-EAGLE draft proposes at most 3"):
-        gen.generate([[5, 6, 7]], 4, SpecConfig(mode="chain", num_draft_tokens=K + 1))
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=4: this P-EAGLE draft proposes at most 3"):
+        gen.generate([[5, 6, 7]], 4, SpecConfig(mode="chain", num_speculative_tokens=K + 1))
     assert "mask_token_id=2 occurs in 1" in drafter.check_data([{"id": "a", "input_ids": [5, MASK, 6]}])[0]
     with pytest.raises(ValueError, match="mask_token_id: required"):
         PeagleOptions().validate()
@@ -165,7 +165,7 @@ def test_export_fields(saved, tmp_path):
     with pytest.raises(ExportError, match=r"not a P-EAGLE export \(config.json mask_token_id and the mask_hidden"):
         load_exported(tmp_path / "e")
     with pytest.raises(ExportError, match=r"proposes 1\.\.3 tokens"):
-        export(ddir, "speculators", tmp_path / "bad", num_draft_tokens=K + 1)
+        export(ddir, "speculators", tmp_path / "bad", num_speculative_tokens=K + 1)
     assert not (tmp_path / "bad").exists()
 
 

@@ -224,14 +224,14 @@ def test_target_forward_rejects_unsupported() -> None:
 
 # ---- greedy losslessness ------------------------------------------------------------------------
 SETTINGS = [
-    *[SpecConfig(mode="chain", num_draft_tokens=k) for k in range(1, 6)],
-    SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6, topk=2),
-    SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=10, topk=3, batch_size=3),
-    SpecConfig(mode="chain", num_draft_tokens=4, adaptive=True, batch_size=2),
-    SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=8, topk=2, adaptive=True, batch_size=2),
-    SpecConfig(mode="ngram", num_draft_tokens=4, batch_size=3),
-    SpecConfig(mode="chain", num_draft_tokens=3, ngram=True, batch_size=3),
-    SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6, topk=2, ngram=True, adaptive=True),
+    *[SpecConfig(mode="chain", num_speculative_tokens=k) for k in range(1, 6)],
+    SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=6, topk=2),
+    SpecConfig(mode="tree", num_speculative_tokens=4, tree_nodes=10, topk=3, batch_size=3),
+    SpecConfig(mode="chain", num_speculative_tokens=4, adaptive=True, batch_size=2),
+    SpecConfig(mode="tree", num_speculative_tokens=4, tree_nodes=8, topk=2, adaptive=True, batch_size=2),
+    SpecConfig(mode="ngram", num_speculative_tokens=4, batch_size=3),
+    SpecConfig(mode="chain", num_speculative_tokens=3, ngram=True, batch_size=3),
+    SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=6, topk=2, ngram=True, adaptive=True),
     SpecConfig(mode="ar", batch_size=3),
 ]
 
@@ -324,9 +324,9 @@ def test_bf16_decode_kernel_is_close_to_hf_and_lossless(arch: str) -> None:
         gen = SpeculativeGenerator(target, random_drafter(target))
         gen.model.decode_kernel = on
         want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
-        for spec in (SpecConfig(mode="chain", num_draft_tokens=3),
-                     SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
-                     SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6)):
+        for spec in (SpecConfig(mode="chain", num_speculative_tokens=3),
+                     SpecConfig(mode="chain", num_speculative_tokens=2, ngram=True),
+                     SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=6)):
             assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, (on, spec)
 
 
@@ -355,10 +355,11 @@ def test_fp32_decode_kernel_is_lossless_bit_for_bit(arch: str, weights: str | No
     assert torch.allclose(logits, hf, rtol=1e-4, atol=1e-4 * float(hf.abs().max()))
     prompts = random_prompts(3, 128, seed=5)
     want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
-    for spec in (SpecConfig(mode="chain", num_draft_tokens=3), SpecConfig(mode="chain", num_draft_tokens=2, ngram=True),
-                 SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6),
-                 SpecConfig(mode="ngram", num_draft_tokens=3),
-                 SpecConfig(mode="chain", num_draft_tokens=3, batch_size=3)):
+    for spec in (SpecConfig(mode="chain", num_speculative_tokens=3),
+                 SpecConfig(mode="chain", num_speculative_tokens=2, ngram=True),
+                 SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=6),
+                 SpecConfig(mode="ngram", num_speculative_tokens=3),
+                 SpecConfig(mode="chain", num_speculative_tokens=3, batch_size=3)):
         assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, spec
 
 
@@ -613,14 +614,14 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
     want = [r.tokens for r in gen.generate(prompts, 24, SpecConfig(mode="ar"))]
     for spec in SETTINGS[:-1]:
         assert [r.tokens for r in gen.generate(prompts, 24, spec)] == want, spec
-    got = oracle.generate(prompts, 24, SpecConfig(mode="chain", num_draft_tokens=4))
+    got = oracle.generate(prompts, 24, SpecConfig(mode="chain", num_speculative_tokens=4))
     assert [r.tokens for r in got] == want
     assert sum(sum(r.accept_lens) for r in got) > 0  # the oracle's drafts were verified, not skipped
     # an fp32 draft on the bf16 target: bf16 features in, fp32 drafting; the target still decides
     gen32 = SpeculativeGenerator(target, random_drafter(target).float())
-    for spec in (SpecConfig(mode="chain", num_draft_tokens=3),
-                 SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=6),
-                 SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, batch_size=2)):
+    for spec in (SpecConfig(mode="chain", num_speculative_tokens=3),
+                 SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=6),
+                 SpecConfig(mode="chain", num_speculative_tokens=2, ngram=True, batch_size=2)):
         assert [r.tokens for r in gen32.generate(prompts, 24, spec)] == want, spec
 
 
@@ -659,7 +660,7 @@ def test_prompts_take_onednn_on_amx_and_the_kernels_elsewhere(monkeypatch: pytes
         gen = SpeculativeGenerator(target, random_drafter(target))
         assert gen.model.prompt_kernel == (cls != "AMX")
         want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
-        assert [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="chain", num_draft_tokens=3))] == want
+        assert [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="chain", num_speculative_tokens=3))] == want
         cache = gen.model.new_cache(1, 32)
         logits[cls] = gen.model.forward(cache, torch.tensor([prompts[0]]), torch.zeros(1, dtype=torch.long),
                                         prefill=True)[0].float()
@@ -671,7 +672,7 @@ def test_oracle_chain_accepts_everything(k: int, llama: Target) -> None:
     gen = SpeculativeGenerator(llama, OracleDrafter(llama))
     rounds = 4
     prompts = [p for p in random_prompts(6, 128, seed=k) if EOS not in reference_greedy(llama, p, 1 + rounds * (k + 1))]
-    res = gen.generate(prompts[:3], 1 + rounds * (k + 1), SpecConfig(mode="chain", num_draft_tokens=k))
+    res = gen.generate(prompts[:3], 1 + rounds * (k + 1), SpecConfig(mode="chain", num_speculative_tokens=k))
     for r in res:
         assert r.accept_lens == [k] * rounds and r.num_drafted == [k] * rounds
         assert (len(r.tokens) - 1) / r.num_rounds == k + 1  # tau (prefill token aside) = k + 1
@@ -679,7 +680,7 @@ def test_oracle_chain_accepts_everything(k: int, llama: Target) -> None:
 
 def test_oracle_tree_accepts_full_depth(llama: Target) -> None:
     gen = SpeculativeGenerator(llama, OracleDrafter(llama, one_hot=True))
-    spec = SpecConfig(mode="tree", num_draft_tokens=4, tree_nodes=8, topk=2)
+    spec = SpecConfig(mode="tree", num_speculative_tokens=4, tree_nodes=8, topk=2)
     prompts = [p for p in random_prompts(6, 128, seed=7) if EOS not in reference_greedy(llama, p, 16)]
     for r in gen.generate(prompts[:2], 16, spec):
         assert r.accept_lens[:3] == [4, 4, 4]
@@ -687,7 +688,7 @@ def test_oracle_tree_accepts_full_depth(llama: Target) -> None:
 
 def test_random_drafter_tau_near_one(llama: Target) -> None:
     gen = SpeculativeGenerator(llama, random_drafter(llama))
-    res = gen.generate(random_prompts(4, 128, seed=11), 24, SpecConfig(mode="chain", num_draft_tokens=3))
+    res = gen.generate(random_prompts(4, 128, seed=11), 24, SpecConfig(mode="chain", num_speculative_tokens=3))
     tau = sum(len(r.tokens) - 1 for r in res) / sum(r.num_rounds for r in res)
     assert 1.0 <= tau < 1.3
 
@@ -701,7 +702,7 @@ def test_eos_inside_accepted_draft_stops(llama: Target) -> None:
     llama.model.config.eos_token_id = llama.model.generation_config.eos_token_id = eos
     try:
         gen = SpeculativeGenerator(target, OracleDrafter(llama))
-        (r,) = gen.generate([prompt], 12, SpecConfig(mode="chain", num_draft_tokens=4))
+        (r,) = gen.generate([prompt], 12, SpecConfig(mode="chain", num_speculative_tokens=4))
     finally:
         llama.model.config.eos_token_id, llama.model.generation_config.eos_token_id = old
     assert r.tokens == free[: free.index(eos) + 1] and r.stopped_eos
@@ -720,7 +721,7 @@ def test_stream_gets_every_token_in_order(llama: Target) -> None:
 def test_kv_after_rounds_equals_fresh_prefill(mode: str, kind: str, qwen3: Target) -> None:
     drafter = random_drafter(qwen3) if kind == "random" else OracleDrafter(qwen3, one_hot=True)
     gen = SpeculativeGenerator(qwen3, drafter)
-    spec = SpecConfig(mode=mode, num_draft_tokens=6 if mode == "chain" else 3, tree_nodes=6, topk=2, batch_size=2)
+    spec = SpecConfig(mode=mode, num_speculative_tokens=6 if mode == "chain" else 3, tree_nodes=6, topk=2, batch_size=2)
     prompts = [p for p in random_prompts(8, 128, seed=21) if EOS not in reference_greedy(qwen3, p, 40)][:2]
     reqs = [_Request(i, p, 40) for i, p in enumerate(prompts)]
     s = _Session(gen, reqs, spec, torch.Generator().manual_seed(0), None)
@@ -746,9 +747,9 @@ def test_kv_after_rounds_equals_fresh_prefill(mode: str, kind: str, qwen3: Targe
 
 
 # ---- batching -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("spec", [SpecConfig(mode="chain", num_draft_tokens=3, adaptive=True),
-                                  SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=8, topk=3, ngram=True),
-                                  SpecConfig(mode="ngram", num_draft_tokens=5)])
+@pytest.mark.parametrize("spec", [SpecConfig(mode="chain", num_speculative_tokens=3, adaptive=True),
+                                  SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=8, topk=3, ngram=True),
+                                  SpecConfig(mode="ngram", num_speculative_tokens=5)])
 def test_batch_equals_per_request(spec: SpecConfig, llama: Target) -> None:
     drafter = OracleDrafter(llama, one_hot=True) if spec.mode == "tree" else random_drafter(llama)
     gen = SpeculativeGenerator(llama, drafter)
@@ -806,10 +807,10 @@ def sample_tv(setup, spec: SpecConfig, n_samples: int = 8000, n_tokens: int = 3)
 
 SAMPLING = [
     SpecConfig(mode="ar", temperature=1.0),
-    SpecConfig(mode="chain", num_draft_tokens=2, temperature=1.0),
-    SpecConfig(mode="chain", num_draft_tokens=3, temperature=0.7, top_p=0.8, adaptive=True),
-    SpecConfig(mode="tree", num_draft_tokens=2, tree_nodes=4, topk=2, temperature=1.0),
-    SpecConfig(mode="ngram", num_draft_tokens=2, temperature=1.0),
+    SpecConfig(mode="chain", num_speculative_tokens=2, temperature=1.0),
+    SpecConfig(mode="chain", num_speculative_tokens=3, temperature=0.7, top_p=0.8, adaptive=True),
+    SpecConfig(mode="tree", num_speculative_tokens=2, tree_nodes=4, topk=2, temperature=1.0),
+    SpecConfig(mode="ngram", num_speculative_tokens=2, temperature=1.0),
 ]
 
 
@@ -836,18 +837,18 @@ def test_biased_sampler_is_detected(bug: str, sampling_setup, monkeypatch) -> No
         return accept_len, nxt
 
     monkeypatch.setattr(ops, "rejection_sample_chain", biased)
-    assert sample_tv(sampling_setup, SpecConfig(mode="chain", num_draft_tokens=2, temperature=1.0)) > 0.15
+    assert sample_tv(sampling_setup, SpecConfig(mode="chain", num_speculative_tokens=2, temperature=1.0)) > 0.15
 
 
 # ---- adaptive depth -----------------------------------------------------------------------------
 def test_adaptive_k_grows_with_oracle_and_shrinks_with_random(llama: Target) -> None:
     prompts = [p for p in random_prompts(8, 128, seed=5) if EOS not in reference_greedy(llama, p, 80)][:1]
-    spec = SpecConfig(mode="chain", num_draft_tokens=5, adaptive=True)
+    spec = SpecConfig(mode="chain", num_speculative_tokens=5, adaptive=True)
     (up,) = SpeculativeGenerator(llama, OracleDrafter(llama)).generate(prompts, 80, spec)
     assert up.num_drafted[0] == 3 and up.num_drafted[-1] == 5 and up.num_drafted == sorted(up.num_drafted)
     (down,) = SpeculativeGenerator(llama, random_drafter(llama)).generate(prompts, 80, spec)
     assert down.num_drafted[0] == 3 and down.num_drafted[-1] == 1
-    tree = SpecConfig(mode="tree", num_draft_tokens=5, tree_nodes=12, topk=2, adaptive=True)
+    tree = SpecConfig(mode="tree", num_speculative_tokens=5, tree_nodes=12, topk=2, adaptive=True)
     (up,) = SpeculativeGenerator(llama, OracleDrafter(llama, one_hot=True)).generate(prompts, 80, tree)
     assert up.num_drafted[0] == 3 and up.num_drafted[-1] == 5
     (down,) = SpeculativeGenerator(llama, random_drafter(llama)).generate(prompts, 80, tree)
@@ -911,7 +912,7 @@ def test_stacked_ngram_skips_drafting_when_its_chain_wins_everywhere(llama: Targ
     gen = SpeculativeGenerator(llama, random_drafter(llama))
     prompts = random_prompts(3, 128, seed=5)
     want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
-    spec = SpecConfig(mode="chain", num_draft_tokens=2, ngram=True, batch_size=2)
+    spec = SpecConfig(mode="chain", num_speculative_tokens=2, ngram=True, batch_size=2)
     for lookup, drafts in ((lambda history, n, cap: [7] * cap, False),  # always a 2k-token match: it wins
                            (lambda history, n, cap: [7] * 2, True),  # as long as the draft chain: the draft wins
                            (lambda history, n, cap: [], True)):  # no match
@@ -936,7 +937,7 @@ def test_smollm2_speculative_matches_ar() -> None:
     with torch.no_grad():
         hf = target.model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
     (ar,) = gen.generate([prompt], 24, SpecConfig(mode="ar"))
-    (ng,) = gen.generate([prompt], 24, SpecConfig(mode="ngram", num_draft_tokens=4))
+    (ng,) = gen.generate([prompt], 24, SpecConfig(mode="ngram", num_speculative_tokens=4))
     assert ar.tokens == hf.tolist()[: len(ar.tokens)]
     assert ng.tokens == ar.tokens
     assert sum(ng.accept_lens) > 0  # the prompt is full of copyable spans
@@ -948,7 +949,7 @@ def test_smollm2_speculative_matches_ar() -> None:
     d2t, t2d = build_vocab_mapping(torch.arange(cfg.vocab_size).flip(0), 32000)
     drafter.d2t.copy_(d2t)
     drafter.t2d.copy_(t2d)
-    spec = SpecConfig(mode="tree", num_draft_tokens=3, tree_nodes=8, topk=2, ngram=True)
+    spec = SpecConfig(mode="tree", num_speculative_tokens=3, tree_nodes=8, topk=2, ngram=True)
     (tree,) = SpeculativeGenerator(target, drafter).generate([prompt], 24, spec)
     assert tree.tokens == ar.tokens
 

@@ -512,4 +512,4 @@ def test_real_smollm2_lora_recipe_smoke(tmp_path):
     prompt = target.tokenizer("The capital of France is", add_special_tokens=False).input_ids
     gen = SpeculativeGenerator(target, draft)
     ar = gen.generate([prompt], 24, SpecConfig(mode="ar"))[0].tokens
-    assert gen.generate([prompt], 24, SpecConfig(mode="chain", num_draft_tokens=3))[0].tokens == ar
+    assert gen.generate([prompt], 24, SpecConfig(mode="chain", num_speculative_tokens=3))[0].tokens == ar

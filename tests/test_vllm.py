@@ -77,7 +77,7 @@ def world(vllm_python, tmp_path_factory) -> dict:
                          intermediate_size=2 * target.config.intermediate_size)
     draft = save_draft(fit.trained, root / "draft", target.info())
     ours = SpeculativeGenerator(target, fit.trained).generate(prompts, MAX_TOKENS,
-                                                              SpecConfig(mode="chain", num_draft_tokens=K))
+                                                              SpecConfig(mode="chain", num_speculative_tokens=K))
     return dict(target=target, model=model, prompts=prompts, alone=alone, draft=draft, ours=ours, root=root)
 
 
@@ -91,7 +91,7 @@ def eval_report(world, vllm_python) -> dict:
     heldout.write_text("".join(json.dumps({"id": i, "messages": [{"role": "user", "content": q}]}) + "\n"
                                for i, q in enumerate(QUESTIONS)))
     return run_eval(EvalConfig(draft=str(world["draft"]), dataset="sharegpt", heldout=str(heldout),
-                               max_new_tokens=MAX_TOKENS, num_draft_tokens=K, dtype="float32", engine="ours,vllm",
+                               max_new_tokens=MAX_TOKENS, num_speculative_tokens=K, dtype="float32", engine="ours,vllm",
                                vllm_python=str(vllm_python), out=str(world["root"] / "eval"), progress=False))
 
 

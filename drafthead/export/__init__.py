@@ -107,8 +107,8 @@ class ExportConfig:
     # for the vLLM / SGLang layouts (fp16 beside an fp16 target), f32 for GGUF, the target's own for MTP's hf
     verifier: str | None = None  # speculators: the verifier the config names (default: the target's public id);
     # offline, a local HF directory of the target
-    num_draft_tokens: int | None = None  # speculators (EAGLE3, P-EAGLE): the draft length the config proposes
-    # (default 3; P-EAGLE: the K it was trained with, at most that)
+    num_speculative_tokens: int | None = None  # speculators (EAGLE3, P-EAGLE): the draft length the config proposes
+    # to engines, its `speculative_tokens` (default 3; P-EAGLE: the K it was trained with, at most that)
     store_embedding: bool | None = None  # speculators (EAGLE3, P-EAGLE): also write the target's token embedding
     # (false)
 

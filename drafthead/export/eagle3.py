@@ -33,10 +33,10 @@ def to_sglang(draft: LoadedDraft, out: str | os.PathLike, target: str | None = N
 
 
 def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
-                   outtype: str | None = None, num_draft_tokens: int = 3, verifier: str | None = None,
+                   outtype: str | None = None, num_speculative_tokens: int = 3, verifier: str | None = None,
                    store_embedding: bool = False) -> Path:
     return eagle3_speculators.export(draft, prepare(draft, target), out, outtype=outtype,
-                                     num_draft_tokens=num_draft_tokens, verifier=verifier,
+                                     num_speculative_tokens=num_speculative_tokens, verifier=verifier,
                                      store_embedding=store_embedding)
 
 

@@ -47,9 +47,9 @@ def rename_in(name: str) -> str:
 
 
 def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str,
-                 num_draft_tokens: int = 3, verifier: str | None = None) -> dict[str, Any]:
-    if num_draft_tokens < 1:
-        raise ExportError(f"num_draft_tokens={num_draft_tokens} must be >= 1")
+                 num_speculative_tokens: int = 3, verifier: str | None = None) -> dict[str, Any]:
+    if num_speculative_tokens < 1:
+        raise ExportError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
     layer = {**llama_fields(cfg), "torch_dtype": dtype}
     return {
         "speculators_model_type": "eagle3",
@@ -66,7 +66,7 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_draft_tokens),
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": verifier or VERIFIER_IDS.get(target.name_or_path, target.name_or_path),
                          "architectures": list(target.architectures)},
@@ -78,14 +78,14 @@ def build_config(cfg: Eagle3Config, target: TargetInfo, meta: dict, dtype: str,
 
 
 def export(src: LoadedDraft, target: TargetInfo, out: str | os.PathLike, outtype: str | None = None,
-           num_draft_tokens: int = 3, verifier: str | None = None, store_embedding: bool = False) -> Path:
+           num_speculative_tokens: int = 3, verifier: str | None = None, store_embedding: bool = False) -> Path:
     if not isinstance(store_embedding, bool):
         raise ExportError(f"store_embedding={store_embedding!r} must be true or false")
     state = dict(src.state)
     if store_embedding:
         state[EMBEDDING] = target_embedding(target, src.config)  # cast with the rest
     cast = cast_state(state, outtype, target)
-    config = build_config(src.config, target, src.meta, dtype_name(cast), num_draft_tokens=num_draft_tokens,
+    config = build_config(src.config, target, src.meta, dtype_name(cast), num_speculative_tokens=num_speculative_tokens,
                           verifier=verifier)
     state = {rename_out(k): v for k, v in cast.items()}
     return write_hf_dir(out, state, config, src.meta)

@@ -38,21 +38,21 @@ def _draft_record(config: dict, cfg: PeagleConfig) -> None:
 
 
 def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
-                   outtype: str | None = None, num_draft_tokens: int | None = None, verifier: str | None = None,
+                   outtype: str | None = None, num_speculative_tokens: int | None = None, verifier: str | None = None,
                    store_embedding: bool = False) -> Path:
     cfg: PeagleConfig = draft.config
     tinfo = prepare(draft, target)
-    k = cfg.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+    k = cfg.num_draft_tokens if num_speculative_tokens is None else num_speculative_tokens
     if not 1 <= k <= cfg.num_draft_tokens:
-        raise ExportError(f"num_draft_tokens={k}: a P-EAGLE draft proposes 1..{cfg.num_draft_tokens} tokens a round "
-                          f"(the depths it was trained with)")
+        raise ExportError(f"num_speculative_tokens={k}: a P-EAGLE draft proposes 1..{cfg.num_draft_tokens} tokens a "
+                          f"round (the depths it was trained with)")
     if not isinstance(store_embedding, bool):
         raise ExportError(f"store_embedding={store_embedding!r} must be true or false")
     state = dict(draft.state)
     if store_embedding:
         state[eagle3_speculators.EMBEDDING] = eagle3_speculators.target_embedding(tinfo, cfg)
     cast = cast_state(state, outtype, tinfo)
-    config = eagle3_speculators.build_config(cfg, tinfo, draft.meta, dtype_name(cast), num_draft_tokens=k,
+    config = eagle3_speculators.build_config(cfg, tinfo, draft.meta, dtype_name(cast), num_speculative_tokens=k,
                                              verifier=verifier)
     config.update(speculators_model_type="peagle", architectures=[SPECULATORS_ARCHITECTURE],
                   mask_token_id=cfg.mask_token_id)

@@ -32,9 +32,9 @@ def inference(fn: _Fn) -> _Fn:
 @dataclass
 class SpecConfig:
     mode: str = "chain"  # "ar" (no drafting: our own autoregressive loop) | "chain" | "tree" | "ngram" | "block"
-    # draft depth: drafts per round along one path (chain length, deepest tree path; block: the first this
-    # many of the block's B-1 slots are verified)
-    num_draft_tokens: int = 4
+    # drafts per round along one path (chain length, deepest tree path; block: the first this many of the block's
+    # B-1 slots are verified); vLLM's name. A draft's trained depth is its config's `num_draft_tokens`
+    num_speculative_tokens: int = 4
     tree_nodes: int = 8  # tree: draft nodes verified per round (excl. the root; EAGLE-2 dynamic tree)
     topk: int = 4  # tree: children expanded per node
     temperature: float = 0.0

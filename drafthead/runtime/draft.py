@@ -57,7 +57,7 @@ NGRAM_STACK_FACTOR = 2  # a stacked n-gram chain may be this many times longer t
 
 def tree_budget(spec: SpecConfig) -> int:
     """Nodes an EAGLE-2 tree keeps: the pool holds topk + (depth-1)*topk^2 candidates."""
-    return min(spec.tree_nodes, spec.topk + (spec.num_draft_tokens - 1) * spec.topk ** 2)
+    return min(spec.tree_nodes, spec.topk + (spec.num_speculative_tokens - 1) * spec.topk ** 2)
 
 
 def propose_chain(state: ChainState, roots: torch.Tensor, lengths: torch.Tensor, spec: SpecConfig,
@@ -73,8 +73,8 @@ def propose_tree(state: TreeState, roots: torch.Tensor, lengths: torch.Tensor, s
     return state.tree(roots, spec.topk, int(lengths.max()), tree_budget(spec), lengths if spec.adaptive else None)
 
 
-CHAIN = DraftMode(propose_chain, lambda spec: spec.num_draft_tokens,
-                  lambda spec: NGRAM_STACK_FACTOR * spec.num_draft_tokens, ChainState)
+CHAIN = DraftMode(propose_chain, lambda spec: spec.num_speculative_tokens,
+                  lambda spec: NGRAM_STACK_FACTOR * spec.num_speculative_tokens, ChainState)
 TREE = DraftMode(propose_tree, tree_budget, tree_budget, TreeState)  # the n-gram chain then costs what the tree would
 
 

@@ -124,7 +124,7 @@ class SpeculativeGenerator:
             problem = self.drafter.draft_modes[spec.mode].check(spec, self.drafter)
             if problem:
                 raise ValueError(problem)
-        for name in ("num_draft_tokens", "tree_nodes", "topk", "batch_size", "ngram_n"):
+        for name in ("num_speculative_tokens", "tree_nodes", "topk", "batch_size", "ngram_n"):
             if getattr(spec, name) < 1:
                 raise ValueError(f"spec.{name} must be >= 1, got {getattr(spec, name)}")
         if spec.temperature < 0:
@@ -172,11 +172,11 @@ class _Session:
         if self.use_drafter and g.drafter is not None:  # `check` refused a drafting mode without a drafter
             self.mode = g.drafter.draft_modes[spec.mode]
         if self.mode is not None:
-            self.max_len, self.max_nodes = spec.num_draft_tokens, self.mode.max_nodes(spec)
+            self.max_len, self.max_nodes = spec.num_speculative_tokens, self.mode.max_nodes(spec)
             self.ngram_cap = self.mode.ngram_cap(spec)
         else:
             self.max_len = self.max_nodes = 0
-            self.ngram_cap = spec.num_draft_tokens if spec.mode == "ngram" else 0
+            self.ngram_cap = spec.num_speculative_tokens if spec.mode == "ngram" else 0
         self.max_nodes = max(self.max_nodes, self.ngram_cap if self.use_ngram else 0)
         longest = max(len(r.prompt) + r.limit for r in reqs)
         self.capacity = longest + max(self.max_nodes, CACHE_SLACK) + 2
