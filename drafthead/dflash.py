@@ -32,48 +32,74 @@ from torch.utils.checkpoint import checkpoint
 from drafthead.family import Family, OwnLayers
 from drafthead.layers import RMSNorm, SwiGLU, apply_rope, decoder_layer_shape, given, rope_cos_sin
 from drafthead.losses import LOSSES, Objective, draft_loss
+from drafthead.options import shared
 from drafthead.runtime.contract import (ChainDraft, DraftMode, DraftState, Proposal, SessionView, SpecConfig,
                                         TargetLayers, inference)
 from drafthead.runtime.draft import CHAIN, chain_proposal
 
 
 @dataclass
-class DflashOptions:
-    """The recipe section `drafter.dflash.*`."""
+class DflashBackbone:
+    """The block drafter's backbone options, DFlash's and DSpark's alike (both families' options extend it)."""
 
     num_layers: int = 1  # draft decoder layers (z-lab ships 5 for Qwen3-8B)
-    block_size: int = 8  # B: the last verified token + B-1 mask slots, drafted in one forward
     mask_token_id: int | None = None  # a row of the target's embedding that never occurs in the data (required)
     target_layer_ids: list[int] | None = None  # outputs of these target layers (z-lab); null = z-lab's spacing
+    intermediate_size: int | None = None  # null = the target's
+    init: str = "target"  # target = the target's last layers and final norm; random = random layers, its final norm
+
+    def check_backbone(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError("num_layers: must be >= 1")
+        if self.mask_token_id is None:
+            raise ValueError("mask_token_id: required (a token id of the target's vocabulary that never occurs in "
+                             "the training data; see docs/dflash.md)")
+        if self.init not in INITS:
+            raise ValueError(f"init: {self.init!r} (choose from {', '.join(INITS)})")
+
+
+@dataclass
+class DflashTraining:
+    """The recipe's choices a block draft keeps in its config: DFlash's and DSpark's options and configs extend
+    this, so each is declared once (`build` carries them over with `options.shared`)."""
+
+    block_size: int = 8  # B: the last verified token + B-1 mask slots, drafted in one forward
     num_anchors: int = 512  # blocks per sequence and step, at most
 
     # dense: anchors may overlap (each block still sees only the context before its own anchor), as the reference
     # trains; false: no two blocks overlap (at most T / B of them), which starves the slots of supervision
     overlap_anchors: bool = True
     anchor_chunk: int = 64  # anchors per forward piece: bounds the training memory, the math is the same
-    loss_decay_gamma: float | None = None  # slot k weight exp(-(k-1)/gamma); null: 7 for B >= 16, else 4
-    labels: str = "soft"  # soft = the target's distribution (distillation); hard = the data token
-    intermediate_size: int | None = None  # null = the target's
-    init: str = "target"  # target = the target's last layers and final norm; random = random layers, its final norm
 
-    def validate(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError("num_layers: must be >= 1")
+    def check_training(self) -> None:
         if self.block_size < 2:
             raise ValueError(f"block_size: {self.block_size} (must be >= 2: the root and at least one mask slot)")
-        if self.mask_token_id is None:
-            raise ValueError("mask_token_id: required (a token id of the target's vocabulary that never occurs in "
-                             "the training data; see docs/dflash.md)")
         if self.num_anchors < 1:
             raise ValueError(f"num_anchors: {self.num_anchors} (must be >= 1)")
         if self.anchor_chunk < 1:
             raise ValueError(f"anchor_chunk: {self.anchor_chunk} (must be >= 1)")
+
+
+@dataclass
+class DflashLabels:
+    """DFlash's training target, kept in its config (DSpark trains CE + TV instead)."""
+
+    labels: str = "soft"  # soft = the target's distribution (distillation); hard = the data token
+
+
+@dataclass
+class DflashOptions(DflashLabels, DflashTraining, DflashBackbone):
+    """The recipe section `drafter.dflash.*`."""
+
+    loss_decay_gamma: float | None = None  # slot k weight exp(-(k-1)/gamma); null: 7 for B >= 16, else 4
+
+    def validate(self) -> None:
+        self.check_backbone()
+        self.check_training()
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
         if self.labels not in LABELS:
             raise ValueError(f"labels: {self.labels!r} (choose from {', '.join(LABELS)})")
-        if self.init not in INITS:
-            raise ValueError(f"init: {self.init!r} (choose from {', '.join(INITS)})")
 
 
 LABELS = ("soft", "hard")
@@ -88,8 +114,8 @@ def default_target_layer_ids(num_target_layers: int, num_layers: int) -> list[in
     return [round(1 + i * span / (num_layers - 1)) for i in range(num_layers)]
 
 
-@dataclass
-class DflashConfig:
+@dataclass(kw_only=True)
+class DflashConfig(DflashTraining, DflashLabels):
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -97,18 +123,13 @@ class DflashConfig:
     head_dim: int
     vocab_size: int  # the target's
     num_hidden_layers: int
-    block_size: int
     mask_token_id: int
     target_layer_ids: list[int] = field(default_factory=list)  # OUTPUTS of these target layers (z-lab)
     target_num_layers: int = 0
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    num_anchors: int = 512
     loss_decay_gamma: float = 4.0
-    labels: str = "soft"
-    overlap_anchors: bool = True
-    anchor_chunk: int = 64
 
     @property
     def num_draft_tokens(self) -> int:
@@ -528,12 +549,10 @@ def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_
           ) -> DflashConfig:
     """`capture.layer_ids` (layer inputs, drafthead's capture convention) wins over the options' z-lab ids."""
     gamma = options.loss_decay_gamma or (7.0 if options.block_size >= 16 else 4.0)
-    c = DflashConfig.from_target(tcfg, num_hidden_layers=options.num_layers, block_size=options.block_size,
-                                 mask_token_id=options.mask_token_id,
+    c = DflashConfig.from_target(tcfg, num_hidden_layers=options.num_layers, mask_token_id=options.mask_token_id,
                                  target_layer_ids=target_layer_ids(tcfg, options, layer_ids),
-                                 intermediate_size=options.intermediate_size, num_anchors=options.num_anchors,
-                                 overlap_anchors=options.overlap_anchors, anchor_chunk=options.anchor_chunk,
-                                 loss_decay_gamma=gamma, labels=options.labels)
+                                 intermediate_size=options.intermediate_size, loss_decay_gamma=gamma,
+                                 **shared(options, DflashTraining), **shared(options, DflashLabels))
     check_built(c, tcfg, "dflash")
     return c
 

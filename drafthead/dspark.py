@@ -31,68 +31,55 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from drafthead.dflash import (BlockRunner, DflashConfig, DflashDrafter, check_built, eval_summary, sample_anchors,
-                              target_layer_ids)
+from drafthead.dflash import (BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining, check_built,
+                              eval_summary, sample_anchors, target_layer_ids)
 from drafthead.family import Family
 from drafthead.losses import Objective
+from drafthead.options import shared
 from drafthead.runtime.contract import ChainDraft, DraftMode, DraftState, Proposal, SpecConfig, inference
 from drafthead.runtime.draft import CHAIN, chain_proposal
 
 
 @dataclass
-class DsparkOptions:
-    """The recipe section `drafter.dspark.*` (the DFlash backbone's keys, then DSpark's own)."""
+class DsparkTraining:
+    """DSpark's heads and loss, chosen in the recipe and kept in the config (both extend this)."""
 
-    num_layers: int = 1  # draft decoder layers
-    block_size: int = 8  # B: the block drafted in one forward (see sample_from_anchor)
-    mask_token_id: int | None = None  # a row of the target's embedding that never occurs in the data (required)
-    target_layer_ids: list[int] | None = None  # outputs of these target layers (z-lab); null = z-lab's spacing
-    num_anchors: int = 512  # blocks per sequence and step, at most
-    overlap_anchors: bool = True  # anchors may overlap, as in DFlash (false: at most T / B blocks)
-    anchor_chunk: int = 64  # anchors per forward piece: bounds the training memory, the math is the same
-    loss_decay_gamma: float = 4.0  # draft j weight exp(-j/gamma) (speculators' dspark default)
-    intermediate_size: int | None = None  # null = the target's
-    init: str = "target"  # target = the target's last layers and final norm; random = random layers
     markov_rank: int = 256  # r of W2 . W1[prev]
     confidence_head: bool = True  # a head that predicts whether each draft will be accepted (its own loss)
     sample_from_anchor: bool = True  # anchor-first block: B drafts a forward (false: DFlash's layout, B-1)
     ce_weight: float = 0.1  # weight of the cross-entropy to the target's token
     tv_weight: float = 0.9  # weight of the total-variation distance to the target's distribution
     confidence_weight: float = 1.0  # weight of the confidence head's loss
-    warm_start: str | None = None  # a DFlash draft directory (e.g. runs/dflash_smollm2/final): backbone from it
 
-    def validate(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError("num_layers: must be >= 1")
-        if self.block_size < 2:
-            raise ValueError(f"block_size: {self.block_size} (must be >= 2)")
-        if self.mask_token_id is None:
-            raise ValueError("mask_token_id: required (a token id of the target's vocabulary that never occurs in "
-                             "the training data; see docs/dflash.md)")
-        for name in ("num_anchors", "anchor_chunk", "markov_rank"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: {getattr(self, name)} (must be >= 1)")
-        if self.loss_decay_gamma <= 0:
-            raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
+    def check_heads(self) -> None:
+        if self.markov_rank < 1:
+            raise ValueError(f"markov_rank: {self.markov_rank} (must be >= 1)")
         for name in ("ce_weight", "tv_weight", "confidence_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: {getattr(self, name)} (must be >= 0)")
         if self.ce_weight + self.tv_weight <= 0:
             raise ValueError("ce_weight + tv_weight: must be > 0 (the token loss)")
-        if self.init not in ("target", "random"):
-            raise ValueError(f"init: {self.init!r} (choose from target, random)")
 
 
 @dataclass
-class DsparkConfig(DflashConfig):
-    """DFlash's config and DSpark's heads and loss (`labels` is unused: the loss is CE + TV)."""
+class DsparkOptions(DsparkTraining, DflashTraining, DflashBackbone):
+    """The recipe section `drafter.dspark.*`: the DFlash backbone's keys (`block_size`: the block drafted in one
+    forward, see `sample_from_anchor`), then DSpark's own."""
 
-    markov_rank: int = 256
-    confidence_head: bool = True  # a head that predicts whether each draft will be accepted (its own loss)
-    sample_from_anchor: bool = True
-    ce_weight: float = 0.1  # weight of the cross-entropy to the target's token
-    tv_weight: float = 0.9  # weight of the total-variation distance to the target's distribution
-    confidence_weight: float = 1.0  # weight of the confidence head's loss
+    loss_decay_gamma: float = 4.0  # draft j weight exp(-j/gamma) (speculators' dspark default)
+    warm_start: str | None = None  # a DFlash draft directory (e.g. runs/dflash_smollm2/final): backbone from it
+
+    def validate(self) -> None:
+        self.check_backbone()
+        self.check_training()
+        if self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
+        self.check_heads()
+
+
+@dataclass(kw_only=True)
+class DsparkConfig(DflashConfig, DsparkTraining):
+    """DFlash's config and DSpark's heads and loss (`labels` is unused: the loss is CE + TV)."""
 
     @property
     def num_draft_tokens(self) -> int:
@@ -311,13 +298,9 @@ DSPARK_BLOCK = replace(CHAIN, propose=propose_dspark, state=DsparkState, check=c
 def build(tcfg: Any, options: DsparkOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
           ) -> DsparkConfig:
     c = DsparkConfig.from_target(
-        tcfg, num_hidden_layers=options.num_layers, block_size=options.block_size,
-        mask_token_id=options.mask_token_id, target_layer_ids=target_layer_ids(tcfg, options, layer_ids),
-        intermediate_size=options.intermediate_size, num_anchors=options.num_anchors,
-        overlap_anchors=options.overlap_anchors, anchor_chunk=options.anchor_chunk,
-        loss_decay_gamma=options.loss_decay_gamma, markov_rank=options.markov_rank,
-        confidence_head=options.confidence_head, sample_from_anchor=options.sample_from_anchor,
-        ce_weight=options.ce_weight, tv_weight=options.tv_weight, confidence_weight=options.confidence_weight)
+        tcfg, num_hidden_layers=options.num_layers, mask_token_id=options.mask_token_id,
+        target_layer_ids=target_layer_ids(tcfg, options, layer_ids), intermediate_size=options.intermediate_size,
+        loss_decay_gamma=options.loss_decay_gamma, **shared(options, DflashTraining), **shared(options, DsparkTraining))
     check_built(c, tcfg, "dspark")
     return c
 

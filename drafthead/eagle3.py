@@ -25,24 +25,35 @@ from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, dec
                               one_call_layer, project, rope_cos_sin, shift, take_rows,
                               ttt_attention)
 from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
+from drafthead.options import shared
 from drafthead.runtime.draft import CHAIN, TREE, DraftRunner
 from drafthead.vocab import target_to_draft
 
 
 @dataclass
-class Eagle3Options:
-    """The recipe section `drafter.eagle3.*`."""
+class Eagle3Training:
+    """The recipe's choices an EAGLE3 draft keeps in its config: the options and the config both extend this, so
+    each is declared once (`build` carries them over with `options.shared`)."""
 
     num_draft_tokens: int = 7  # training-time-test steps (draft depths trained)
-    draft_vocab_size: int = 32000  # the most frequent loss-masked target tokens (d2t / t2d)
     step_decay: float = 0.8  # loss weight of step i: step_decay ** i
     hard_label_weight: float = 0.0  # mix lambda of a one-hot on the target argmax into the soft target
     feature_loss_weight: float = 0.0  # > 0 adds EAGLE-1's regression of the draft hidden onto the target's
+
+    # EAGLE 3.1 (arXiv 2605.09992), the field names speculators, vLLM and SGLang read. fc_norm: an RMSNorm on
+    # each captured layer's state (weights `fc_norm.{i}`) before `fc`
+    fc_norm: bool = False
+    norm_output: bool = False  # the draft hidden is normed once: the next TTT step and the head read norm(hidden)
+
+
+@dataclass
+class Eagle3Options(Eagle3Training):
+    """The recipe section `drafter.eagle3.*`."""
+
+    draft_vocab_size: int = 32000  # the most frequent loss-masked target tokens (d2t / t2d)
     intermediate_size: int | None = None  # null = the target's
     init: str = "auto"  # auto = random (the embedding is always the target's)
     init_head_from_target: bool = False  # start lm_head/norm from the target's (rows of the draft vocab)
-    fc_norm: bool = False  # EAGLE 3.1: an RMSNorm on each captured layer's state before `fc`
-    norm_output: bool = False  # EAGLE 3.1: the next TTT step and the head read norm(draft hidden)
 
     def validate(self) -> None:
         if self.num_draft_tokens < 1:
@@ -63,8 +74,8 @@ class Eagle3Options:
 INITS = ("auto", "random")
 
 
-@dataclass
-class Eagle3Config:
+@dataclass(kw_only=True)
+class Eagle3Config(Eagle3Training):
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -79,13 +90,6 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     norm_before_residual: bool = False  # residual = fc output (SpecForge/SGLang), not its norm
-    num_draft_tokens: int = 7  # training-time-test steps: draft depths trained
-    step_decay: float = 0.8
-    feature_loss_weight: float = 0.0  # > 0: also regress norm(draft hidden) onto the target's last hidden (EAGLE-1)
-    hard_label_weight: float = 0.0  # lambda: train towards (1 - lambda) * p_target + lambda * onehot(target argmax)
-    # EAGLE 3.1 (arXiv 2605.09992), the field names speculators, vLLM and SGLang read:
-    fc_norm: bool = False  # RMSNorm each captured state (weights `fc_norm.{i}`) before `fc`
-    norm_output: bool = False  # the draft hidden is normed once: the next TTT step and lm_head both read it
 
     @staticmethod
     def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -354,11 +358,7 @@ class Eagle3Drafter(OwnLayers, nn.Module):
 def build(tcfg: Any, options: Eagle3Options, layer_ids: list[int] | None, draft_vocab_size: int | None
           ) -> Eagle3Config:
     return Eagle3Config.from_target(tcfg, draft_vocab_size or options.draft_vocab_size, layer_ids,
-                                    intermediate_size=options.intermediate_size,
-                                    num_draft_tokens=options.num_draft_tokens, step_decay=options.step_decay,
-                                    feature_loss_weight=options.feature_loss_weight,
-                                    hard_label_weight=options.hard_label_weight, fc_norm=options.fc_norm,
-                                    norm_output=options.norm_output)
+                                    intermediate_size=options.intermediate_size, **shared(options, Eagle3Training))
 
 
 def init(drafter: Eagle3Drafter, target: Any, options: Eagle3Options) -> str:

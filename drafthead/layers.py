@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import cpu_linear, extension, packing
 
 
 def decoder_layer_shape(tcfg: Any) -> dict[str, Any]:
@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.device.type == "cpu" and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
-                and x.dtype in (torch.float32, torch.bfloat16) and cpu_linear.available("fp32")):
+                and x.dtype in (torch.float32, torch.bfloat16) and extension.available("fp32")):
             # a draft step on CPU: one extension call (the same formula, fp32 statistics) instead of ~8 operators:
             # 4.4 against 15.2 us a call on a bf16 [1, 1, 576] row (AVX512-BF16 EPYC), four calls a draft step
             return cpu_linear.rms_norm(x, self.weight, self.eps)
@@ -111,7 +111,7 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        joined = None if torch.is_grad_enabled() else cpu_linear.joined(self.gate_proj, self.up_proj)
+        joined = None if torch.is_grad_enabled() else packing.joined(self.gate_proj, self.up_proj)
         if joined is not None:
             # a packed draft step on CPU: silu(gate) * up in one call, as the one-call layer computes it
             return self.down_proj(cpu_linear.silu_mul(joined(x)))
@@ -121,8 +121,8 @@ class SwiGLU(nn.Module):
 
 def project(x: torch.Tensor, *projs: nn.Module) -> list[torch.Tensor]:
     """[p(x) for p in projs]; packed CPU projections (a draft step, `with_packed_linears`) run as one joined kernel
-    call (`cpu_linear.joined`), each output with the bits of its own projection."""
-    fused = cpu_linear.joined(*projs) if len(projs) > 1 else None
+    call (`packing.joined`), each output with the bits of its own projection."""
+    fused = packing.joined(*projs) if len(projs) > 1 else None
     if fused is None:
         return [p(x) for p in projs]
     return list(fused(x).split([p.out_features for p in projs], dim=-1))
@@ -169,7 +169,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if (x.device.type == "cpu" and not torch.is_grad_enabled() and cos.dtype == sin.dtype == torch.float32
             and x.dtype in (torch.float32, torch.bfloat16) and cos.dim() == 4 and cos.shape[:2] == (x.shape[0], 1)
             and cos.shape[2:] == x.shape[2:] and sin.shape == cos.shape and x.shape[-1] % 2 == 0
-            and cpu_linear.available("fp32")):
+            and extension.available("fp32")):
         # a draft step on CPU: the math below in one extension call (x widened exactly, each product and the sum
         # rounded in fp32, then once to x's dtype: the same bits) instead of ~7 operators
         return cpu_linear.rope(x.float().transpose(1, 2), cos, sin).transpose(1, 2).to(x.dtype)
@@ -225,20 +225,20 @@ def kv_cache(kv: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None, k: tor
 
 def one_call_layer(owner: nn.Module, heads: int, kv_heads: int, head_dim: int, post_norm: nn.Module,
                    q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, o_proj: nn.Module, mlp: SwiGLU):
-    """The CPU one-call decoder layer (`cpu_linear.decode_layer`, run by `forward_input`) for a draft layer whose
-    projections are packed (`cpu_linear.with_packed_linears`), made on first use and kept on `owner`; None where
+    """The CPU one-call decoder layer (`packing.decode_layer`, run by `forward_input`) for a draft layer whose
+    projections are packed (`packing.with_packed_linears`), made on first use and kept on `owner`; None where
     they are not packed or do not join (the layer then runs op by op, with the same bits). Softmax scale
     head_dim^-0.5, as `cached_attention`."""
     cache = owner.__dict__.setdefault("_one_call", {})  # plain attribute: not a submodule, not in state dicts
     if "layer" not in cache:
-        qkv = cpu_linear.joined(q_proj, k_proj, v_proj)
-        gate_up = cpu_linear.joined(mlp.gate_proj, mlp.up_proj)
-        packed = all(isinstance(p, cpu_linear.PackedLinear) for p in (o_proj, mlp.down_proj))
+        qkv = packing.joined(q_proj, k_proj, v_proj)
+        gate_up = packing.joined(mlp.gate_proj, mlp.up_proj)
+        packed = all(isinstance(p, packing.PackedLinear) for p in (o_proj, mlp.down_proj))
         joins = qkv is not None and gate_up is not None and packed
         kinds = {p.kind for p in (qkv, gate_up, o_proj, mlp.down_proj)} if joins else set()
-        ok = (kinds in ({"bf16"}, {"fp32"}) and head_dim % 8 == 0 and cpu_linear.available("fp32")
+        ok = (kinds in ({"bf16"}, {"fp32"}) and head_dim % 8 == 0 and extension.available("fp32")
               and post_norm.weight.dtype == (torch.bfloat16 if kinds == {"bf16"} else torch.float32))
-        cache["layer"] = cpu_linear.decode_layer(0, heads, kv_heads, head_dim, head_dim ** -0.5, None, post_norm, qkv,
+        cache["layer"] = packing.decode_layer(0, heads, kv_heads, head_dim, head_dim ** -0.5, None, post_norm, qkv,
                                                  o_proj, gate_up, mlp.down_proj) if ok else None
     return cache["layer"]
 
@@ -255,7 +255,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     B, _, T, D = q.shape
     if (q.device.type == "cpu" and D % 8 == 0 and q.dtype in (torch.float32, torch.bfloat16)
             and k.dtype == q.dtype == v.dtype and not (q.requires_grad or k.requires_grad or v.requires_grad)
-            and cpu_linear.available("fp32")):
+            and extension.available("fp32")):
         mask = mask.expand(B, 1, T, k.shape[2])
         return cpu_linear.attention_fp32(q, k, v, mask, D ** -0.5).to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)

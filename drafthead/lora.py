@@ -28,6 +28,7 @@ from torch import nn
 from drafthead.family import Family
 from drafthead.layers import apply_rope, shift, ttt_attention
 from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
+from drafthead.options import shared
 from drafthead.runtime.contract import ChainDraft, ChainState, SessionView, TargetLayers, inference
 from drafthead.runtime.draft import CHAIN
 
@@ -37,7 +38,8 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass
 class LoraOptions:
-    """`drafter.lora.*`: where the draft exits and what the adapters cover."""
+    """`drafter.lora.*`: where the draft exits and what the adapters cover. Every option is kept in the draft's
+    config (`LoraDraftConfig` extends this class, so each is declared once)."""
     exit_layer: int = 4  # E: the draft runs the target's layers 0..E-1, then the exit block
     num_exit_layers: int = 1  # n: the exit block copies the target's layers E..E+n-1
     rank: int = 16  # r of each adapter
@@ -66,18 +68,9 @@ class LoraOptions:
             raise ValueError(f"target_modules: {bad or 'empty'} (choose from {', '.join(MODULES)})")
 
 
-@dataclass
-class LoraDraftConfig:
-    exit_layer: int
-    num_exit_layers: int
-    rank: int
-    alpha: float
-    target_modules: list[str]
-    lora_head: bool
+@dataclass(kw_only=True)
+class LoraDraftConfig(LoraOptions):
     target_config: dict  # the target's HF config: the exit block is its architecture, layer for layer
-    dropout: float = 0.0
-    num_draft_tokens: int = 1  # depths one training forward trains and reports (1: the next token)
-    step_decay: float = 1.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -506,10 +499,8 @@ def build(tcfg: Any, options: LoraOptions, layer_ids: list[int] | None, draft_vo
                          f"[{options.exit_layer}] (leave capture.layer_ids null)")
     d = tcfg.to_dict()
     keep = {k: v for k, v in d.items() if not k.startswith("_") and k not in ("transformers_version",)}
-    return LoraDraftConfig(exit_layer=options.exit_layer, num_exit_layers=options.num_exit_layers, rank=options.rank,
-                           alpha=float(options.alpha), target_modules=list(options.target_modules),
-                           lora_head=options.lora_head, target_config=keep, dropout=options.dropout,
-                           num_draft_tokens=options.num_draft_tokens, step_decay=options.step_decay)
+    return LoraDraftConfig(**{**shared(options, LoraOptions), "alpha": float(options.alpha),
+                              "target_modules": list(options.target_modules)}, target_config=keep)
 
 
 def init(drafter: LoraDrafter, target: Any, options: LoraOptions) -> str:

@@ -47,6 +47,7 @@ from drafthead.layers import (RMSNorm, SwiGLU, apply_rope, cached_attention, dec
                               rope_cos_sin, shift, take_rows, ttt_attention)
 from drafthead.losses import LOSSES, Objective, draft_loss, with_alpha
 from drafthead.mtp_native import QWEN_NEXT_TYPES, native_mtp_layers, read_native, to_ours
+from drafthead.options import shared
 from drafthead.runtime.contract import DraftMode, DraftState
 from drafthead.runtime.draft import CHAIN, TREE, DraftRunner, ModuleChainRunner
 
@@ -61,25 +62,38 @@ def decay_weights(k: int, beta: float = 0.8) -> list[float]:
 
 
 @dataclass
-class MtpOptions:
-    """The recipe section `drafter.mtp.*`."""
+class MtpTraining:
+    """The recipe's choices an MTP draft keeps in its config: the options and the config both extend this, so each
+    is declared, defaulted and checked once."""
 
     num_draft_tokens: int = 1  # depths K trained (predicting x_{t+2} .. x_{t+1+K})
     recursive: bool = True  # one module applied K times (FastMTP, vLLM) vs K modules (DeepSeek-V3)
     step_weights: list[float] | None = None  # loss weight per depth; null = 0.8^k normalised
     train_head: bool = False  # also train the shared norm + lm_head copy (else frozen = the target's)
     attention: str = "causal"  # causal within each depth (DeepSeek) | chain (what the runtime chain sees)
+
+    def check(self) -> None:
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens: {self.num_draft_tokens} (must be >= 1)")
+        if self.step_weights is not None:
+            if len(self.step_weights) != self.num_draft_tokens:
+                raise ValueError(f"step_weights: {len(self.step_weights)} weights for num_draft_tokens="
+                                 f"{self.num_draft_tokens} depths (one per depth)")
+            if any(w < 0 for w in self.step_weights) or sum(self.step_weights) <= 0:
+                raise ValueError(f"step_weights: {self.step_weights} (each >= 0, with a positive sum)")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention: {self.attention!r} (choose from {', '.join(ATTENTION_MODES)})")
+
+
+@dataclass
+class MtpOptions(MtpTraining):
+    """The recipe section `drafter.mtp.*`."""
+
     intermediate_size: int | None = None  # null = the target's
     init: str = "auto"  # auto (native MTP weights if present, else target) | native | target | random
 
     def validate(self) -> None:
-        if self.num_draft_tokens < 1:
-            raise ValueError("num_draft_tokens: must be >= 1")
-        if self.step_weights is not None and len(self.step_weights) != self.num_draft_tokens:
-            raise ValueError(f"step_weights: {len(self.step_weights)} weights for num_draft_tokens="
-                             f"{self.num_draft_tokens} depths (one per depth)")
-        if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"attention: {self.attention!r} (choose from {', '.join(ATTENTION_MODES)})")
+        self.check()
         if self.init not in INITS:
             raise ValueError(f"init: {self.init!r} (choose from {', '.join(INITS)})")
 
@@ -87,8 +101,8 @@ class MtpOptions:
 INITS = ("auto", "native", "target", "random")
 
 
-@dataclass
-class MtpConfig:
+@dataclass(kw_only=True)
+class MtpConfig(MtpTraining):
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -104,27 +118,16 @@ class MtpConfig:
     qk_norm: bool = False
     attn_output_gate: bool = False
     norm_unit_offset: bool = False
-    num_draft_tokens: int = 1  # K: depths trained (x_{t+2} .. x_{t+1+K})
-    recursive: bool = True  # one module applied K times, or K modules
-    step_weights: list[float] | None = None  # loss weight per depth; None = 0.8^k normalised
-    train_head: bool = False  # train the shared norm + head copy (else frozen = the target's)
-    attention: str = "causal"  # "causal" | "chain" (see module docstring)
     chain_normed: bool = True  # next depth reads shared_head.norm(out) (True) or out (False)
     native_layers: int = 0  # MTP layers the target checkpoint declares (for export), 0 = none
 
     def __post_init__(self) -> None:
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"MTP num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.step_weights is None:
-            self.step_weights = decay_weights(self.num_draft_tokens)
-        self.step_weights = [float(w) for w in self.step_weights]
-        if len(self.step_weights) != self.num_draft_tokens:
-            raise ValueError(f"MTP step_weights has {len(self.step_weights)} entries for num_draft_tokens="
-                             f"{self.num_draft_tokens} depths (one weight per depth)")
-        if any(w < 0 for w in self.step_weights) or sum(self.step_weights) <= 0:
-            raise ValueError(f"MTP step_weights must be >= 0 with a positive sum, got {self.step_weights}")
-        if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"MTP attention={self.attention!r}: choose from {', '.join(ATTENTION_MODES)}")
+        try:
+            self.check()
+        except ValueError as e:
+            raise ValueError(f"MTP {e}") from None
+        weights = decay_weights(self.num_draft_tokens) if self.step_weights is None else self.step_weights
+        self.step_weights = [float(w) for w in weights]
 
     @property
     def draft_vocab_size(self) -> int:
@@ -516,10 +519,7 @@ def init_from_native(drafter: MtpDrafter, state_dict: dict[str, torch.Tensor], c
 # the family record: what the trainer, runtime and exporters ask of MTP
 def build(tcfg: Any, options: MtpOptions, layer_ids: list[int] | None, draft_vocab_size: int | None) -> MtpConfig:
     """Sized like one decoder layer of the target; MTP reads no aux layers and predicts the full vocab."""
-    return MtpConfig.from_target(tcfg, intermediate_size=options.intermediate_size,
-                                 num_draft_tokens=options.num_draft_tokens, recursive=options.recursive,
-                                 step_weights=options.step_weights, train_head=options.train_head,
-                                 attention=options.attention)
+    return MtpConfig.from_target(tcfg, intermediate_size=options.intermediate_size, **shared(options, MtpTraining))
 
 
 def init(drafter: MtpDrafter, target: Any, options: MtpOptions) -> str:

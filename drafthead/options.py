@@ -130,6 +130,12 @@ def options(obj: Any, prefix: str = "") -> list[Option]:
     return out
 
 
+def shared(source: Any, base: type) -> dict[str, Any]:
+    """`base`'s fields as `source` holds them: what a family's `build` carries from its options into its config, both
+    of which extend `base` (so each choice a draft keeps is declared, documented and defaulted once)."""
+    return {f.name: getattr(source, f.name) for f in dataclasses.fields(base)}
+
+
 # command keys renamed since a release: old -> (new, why); a command that has the new key names it for the old
 RENAMED = {"num_draft_tokens": ("num_speculative_tokens", "the runtime's drafts a round, vLLM's name; num_draft_tokens "
                                 "is the depth a draft was trained to, drafter.<family>.num_draft_tokens")}

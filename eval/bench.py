@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from drafthead import options
 from drafthead.io import atomic_write_json
-from drafthead.eval.models import load_models, resolve_device
+from drafthead.eval.models import draft_length, load_models, resolve_device
 from drafthead.hardware import check_dtype
 from drafthead.eval.datasets import DATASETS, chat_prompt, load_eval_dataset
 from drafthead.eval.report import machine_info
@@ -40,7 +40,10 @@ class BenchConfig:
     heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
     max_prompts: int = 8  # first user turn of each
     max_new_tokens: int = 128  # new tokens per prompt, at most
-    num_speculative_tokens: int = 2  # drafts per round: chain length, deepest tree path, n-gram proposal
+
+    # drafts per round: chain length, deepest tree path, n-gram proposal; null: the length the trainer chose for the
+    # draft (its config.json "serving"), else 2
+    num_speculative_tokens: int | None = None
     tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4  # tree: children expanded per node
     ngram_n: int = 3  # n-gram: match length of the prompt lookup
@@ -65,10 +68,12 @@ class BenchConfig:
 def validate(cfg: BenchConfig) -> None:
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(DATASETS)}")
-    for name in ("max_prompts", "max_new_tokens", "num_speculative_tokens", "tree_nodes", "topk", "ngram_n",
+    for name in ("max_prompts", "max_new_tokens", "tree_nodes", "topk", "ngram_n",
                  "prompt_lookup_num_tokens", "verify_prefix", "verify_repeats"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
+    if cfg.num_speculative_tokens is not None and cfg.num_speculative_tokens <= 0:
+        raise ValueError(f"num_speculative_tokens must be > 0, got {cfg.num_speculative_tokens}")
     if not cfg.verify_sizes or min(cfg.verify_sizes) <= 0:
         raise ValueError(f"verify_sizes must be positive token counts, got {cfg.verify_sizes}")
     check_dtype(cfg.dtype)
@@ -239,13 +244,13 @@ def hf_verify_cost_curve(model: Any, prefix: list[int], sizes: list[int], repeat
 
 def read_buffer(mib: int, device: str) -> torch.Tensor:
     """`mib` MiB of fp32 ones to sum for the read bandwidth. On CPU it lies on the pages the decode kernels' packed
-    weights get (2 MB where transparent huge pages are on, `cpu_linear.HugePages`), so the bound reads memory as the
+    weights get (2 MB where transparent huge pages are on, `hugepages.HugePages`), so the bound reads memory as the
     weights are read: on the AVX512-BF16 EPYC a sum over 4 KB pages read 40 GB/s and one over 2 MB pages 59 GB/s
     (20 alternating rounds, docs/experiment_log.md)."""
     if device != "cpu":
         return torch.ones(mib << 18, device=device)
-    from drafthead.kernels import cpu_linear
-    return cpu_linear.HugePages(chunk=0).empty((mib << 18,), torch.float32).fill_(1)
+    from drafthead.kernels import hugepages
+    return hugepages.HugePages(chunk=0).empty((mib << 18,), torch.float32).fill_(1)
 
 
 def read_bandwidth(device: str, mib: int = 512, repeats: int = 5) -> float:
@@ -275,8 +280,8 @@ def bandwidth_bound(tm: Any, device: str, read: dict | None = None) -> dict:
         spread = [read["min"] / 1e9, read["max"] / 1e9]
     pages = None
     if device == "cpu":
-        from drafthead.kernels import cpu_linear
-        pages = cpu_linear.pages()
+        from drafthead.kernels import hugepages
+        pages = hugepages.pages()
         how += f" on {pages}"
     # the weights as the kernel streams them: the fp32 kernel's storage (fp32, bf16, int8), else the model's dtype
     weights = tm.weights if tm.kernel == "fp32" else str(tm.dtype).removeprefix("torch.")
@@ -311,8 +316,63 @@ def roofline(curve: list[dict], bound: dict, compute: dict | None) -> None:
         row["tile_path"] = cpu_linear.tile_path(compute["kernel"], n)
 
 
+# what each number of bench.json means (written into it, beside the numbers)
+DEFINITIONS = {
+    "tokens_per_s": "generated tokens / wall time of the per-prompt generate calls (prefill "
+                    "included, one warm-up call excluded), batch size 1, greedy; the methods "
+                    "take turns prompt by prompt",
+    "acceptance_length": "tokens from verify rounds (all but the prefill's first) / verify rounds "
+                         "(our runtime only; AR = 1)",
+    "outputs_equal_our_ar": "prompts whose output equals our AR output token for token",
+    "verify_cost": "median wall time of one target forward (our runtime's, as in a verify round) "
+                   "of num_tokens new tokens appended to a cached prefix of verify_prefix tokens; "
+                   "the sizes take turns, one forward of each per round",
+    "verify_cost_hf": "the same through HF model(...) with a DynamicCache",
+    "bandwidth_bound": "bytes of projection weights one generated token streams / measured read "
+                       "bandwidth (the median of sums over a 512 MiB tensor, one in each round "
+                       "of the verify_cost forwards): the least a 1-token forward can cost when "
+                       "weights come from memory",
+    "compute_rate": "multiply-adds a second that the decode kernel's multiply instruction sustains "
+                    "from registers on every thread (measured here), and the multiply-adds one token "
+                    "takes in the projections and head",
+    "roofline_ms": "max(bandwidth bound, num_tokens x multiply-adds a token / that rate): the least "
+                   "a forward of num_tokens can cost; x_roofline = ms / roofline_ms"}
+
+
+def bench_methods(cfg: BenchConfig, target: Any, drafter: Any, generator: Any, device: str
+                  ) -> dict[str, Callable | str]:
+    """The rows bench times, name -> a generate function, or why the row is skipped: our AR, HF generate and its
+    prompt lookup, our n-gram, and each mode the draft drafts (chain, chain + n-gram, tree, block at each count)."""
+    from drafthead.runtime import SpecConfig
+
+    k = draft_length(cfg.num_speculative_tokens, cfg.draft)[0]
+    base = dict(temperature=0.0, num_speculative_tokens=k, tree_nodes=cfg.tree_nodes,
+                topk=cfg.topk, ngram_n=cfg.ngram_n, batch_size=1)
+    methods: dict[str, Callable | str] = {
+        "ar (ours)": runtime_method(generator, SpecConfig(mode="ar", **base)),
+        "hf generate greedy": hf_method(target.model, device),
+        f"hf prompt lookup ({cfg.prompt_lookup_num_tokens})": hf_method(
+            target.model, device, prompt_lookup_num_tokens=cfg.prompt_lookup_num_tokens),
+        f"ngram n={cfg.ngram_n} k={k} (ours)": runtime_method(
+            generator, SpecConfig(mode="ngram", **base)),
+    }
+    chain = f"draft chain k={k} (ours)"
+    tree = f"draft tree depth={k} topk={cfg.topk} nodes={cfg.tree_nodes} (ours)"
+    modes = drafter.draft_modes if drafter is not None else ()
+    why = "skipped: draft=none" if drafter is None else f"skipped: a {drafter.family} draft drafts {', '.join(modes)}"
+    methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base)) if "chain" in modes else why
+    methods[chain + " + ngram"] = (runtime_method(generator, SpecConfig(mode="chain", ngram=True, **base))
+                                   if "chain" in modes else why)
+    methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base)) if "tree" in modes else why
+    if "block" in modes:
+        for n in block_sizes(cfg, drafter.config.num_draft_tokens):
+            methods[f"draft block k={n} (ours)"] = runtime_method(
+                generator, SpecConfig(mode="block", **{**base, "num_speculative_tokens": n}))
+    return methods
+
+
 def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generator: Any = None) -> dict:
-    from drafthead.runtime import SpecConfig, SpeculativeGenerator, TargetModel
+    from drafthead.runtime import SpeculativeGenerator, TargetModel
 
     validate(cfg)
     samples = load_eval_dataset(cfg.dataset, cfg.max_prompts, cfg.draft, cfg.heldout)
@@ -328,28 +388,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     tok = target.tokenizer
     prompts = [chat_prompt(tok, [{"role": "user", "content": s.turns[0]}]) for s in samples]
 
-    base = dict(temperature=0.0, num_speculative_tokens=cfg.num_speculative_tokens, tree_nodes=cfg.tree_nodes,
-                topk=cfg.topk, ngram_n=cfg.ngram_n, batch_size=1)
-    methods: dict[str, Callable | str] = {
-        "ar (ours)": runtime_method(generator, SpecConfig(mode="ar", **base)),
-        "hf generate greedy": hf_method(target.model, device),
-        f"hf prompt lookup ({cfg.prompt_lookup_num_tokens})": hf_method(
-            target.model, device, prompt_lookup_num_tokens=cfg.prompt_lookup_num_tokens),
-        f"ngram n={cfg.ngram_n} k={cfg.num_speculative_tokens} (ours)": runtime_method(
-            generator, SpecConfig(mode="ngram", **base)),
-    }
-    chain = f"draft chain k={cfg.num_speculative_tokens} (ours)"
-    tree = f"draft tree depth={cfg.num_speculative_tokens} topk={cfg.topk} nodes={cfg.tree_nodes} (ours)"
-    modes = drafter.draft_modes if drafter is not None else ()
-    why = "skipped: draft=none" if drafter is None else f"skipped: a {drafter.family} draft drafts {', '.join(modes)}"
-    methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base)) if "chain" in modes else why
-    methods[chain + " + ngram"] = (runtime_method(generator, SpecConfig(mode="chain", ngram=True, **base))
-                                   if "chain" in modes else why)
-    methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base)) if "tree" in modes else why
-    if "block" in modes:
-        for n in block_sizes(cfg, drafter.config.num_draft_tokens):
-            methods[f"draft block k={n} (ours)"] = runtime_method(
-                generator, SpecConfig(mode="block", **{**base, "num_speculative_tokens": n}))
+    methods = bench_methods(cfg, target, drafter, generator, device)
 
     timed = time_methods({n: r for n, r in methods.items() if not isinstance(r, str)}, prompts, cfg.max_new_tokens,
                          device, cfg.progress)
@@ -383,26 +422,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
               "bandwidth_bound": bound,
               "compute_rate": compute,
               "verify_cost_hf": hf_curve,
-              "definitions": {
-                  "tokens_per_s": "generated tokens / wall time of the per-prompt generate calls (prefill "
-                                  "included, one warm-up call excluded), batch size 1, greedy; the methods "
-                                  "take turns prompt by prompt",
-                  "acceptance_length": "tokens from verify rounds (all but the prefill's first) / verify rounds "
-                                       "(our runtime only; AR = 1)",
-                  "outputs_equal_our_ar": "prompts whose output equals our AR output token for token",
-                  "verify_cost": "median wall time of one target forward (our runtime's, as in a verify round) "
-                                 "of num_tokens new tokens appended to a cached prefix of verify_prefix tokens; "
-                                 "the sizes take turns, one forward of each per round",
-                  "verify_cost_hf": "the same through HF model(...) with a DynamicCache",
-                  "bandwidth_bound": "bytes of projection weights one generated token streams / measured read "
-                                     "bandwidth (the median of sums over a 512 MiB tensor, one in each round "
-                                     "of the verify_cost forwards): the least a 1-token forward can cost when "
-                                     "weights come from memory",
-                  "compute_rate": "multiply-adds a second that the decode kernel's multiply instruction sustains "
-                                  "from registers on every thread (measured here), and the multiply-adds one token "
-                                  "takes in the projections and head",
-                  "roofline_ms": "max(bandwidth bound, num_tokens x multiply-adds a token / that rate): the least "
-                                 "a forward of num_tokens can cost; x_roofline = ms / roofline_ms"}}
+              "definitions": DEFINITIONS}
     print(format_table(result))
     if cfg.out:
         out = Path(cfg.out)

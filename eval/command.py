@@ -20,7 +20,7 @@ from drafthead.hardware import check_dtype
 from drafthead.runtime.generate import OWN_MODES  # the others are the drafter's (its `draft_modes` table)
 from drafthead.eval.acceptance import generate_runs, warmup
 from drafthead.eval.datasets import DATASETS, load_eval_dataset
-from drafthead.eval.models import load_models, resolve_device
+from drafthead.eval.models import draft_length, load_models, resolve_device
 from drafthead.eval.report import build_report, machine_info, write_report
 
 @dataclass
@@ -38,8 +38,9 @@ class EvalConfig:
     mode: str | None = None  # default: the draft's first mode (chain; block for DFlash), ngram without
 
     # drafts per round along one path (chain length, deepest tree path, block slots verified); vLLM's name. Not the
-    # depth a draft was trained to (its config's num_draft_tokens): a chain may draft past that
-    num_speculative_tokens: int = 2
+    # depth a draft was trained to (its config's num_draft_tokens). null: the length the trainer chose for the draft
+    # (its config.json "serving"), else 2
+    num_speculative_tokens: int | None = None
     tree_nodes: int = 8  # tree: draft nodes verified per round
     topk: int = 4  # tree: children expanded per node
     adaptive: bool = False  # adaptive draft length (chain: k in [1, num_speculative_tokens]; tree: depth)
@@ -94,7 +95,8 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
               ("max_prompts", cfg.max_prompts, cfg.max_prompts is None or cfg.max_prompts > 0, "> 0"),
               ("temperature", cfg.temperature, cfg.temperature >= 0, ">= 0"),
               ("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]"),
-              ("num_speculative_tokens", cfg.num_speculative_tokens, cfg.num_speculative_tokens >= 1, ">= 1"),
+              ("num_speculative_tokens", cfg.num_speculative_tokens,
+               cfg.num_speculative_tokens is None or cfg.num_speculative_tokens >= 1, ">= 1"),
               ("tree_nodes", cfg.tree_nodes, cfg.tree_nodes >= 1, ">= 1"),
               ("topk", cfg.topk, cfg.topk >= 1, ">= 1"),
               ("ngram_n", cfg.ngram_n, cfg.ngram_n >= 1, ">= 1"),
@@ -118,6 +120,7 @@ def spec_configs(cfg: EvalConfig, mode: str) -> tuple[Any, Any]:
 
     names = {f.name for f in dataclasses.fields(SpecConfig)}
     kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in names}
+    kw["num_speculative_tokens"] = draft_length(cfg.num_speculative_tokens, cfg.draft)[0]
     spec = SpecConfig(**{**kw, "mode": mode})
     return spec, dataclasses.replace(spec, mode="ar")
 
@@ -157,7 +160,8 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
         generator = SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)
     spec, ar = spec_configs(cfg, mode)
     tok = target.tokenizer
-    print(f"runtime: {generator.model.paths()}")
+    print(f"runtime: {generator.model.paths()}; {spec.num_speculative_tokens} drafts a round "
+          f"({draft_length(cfg.num_speculative_tokens, cfg.draft)[1]})")
 
     specs = {"speculative": spec, "autoregressive": ar}
     runs: dict[str, list] = {"speculative": [], "autoregressive": []}
@@ -178,6 +182,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "dtype": str(target.model.dtype).removeprefix("torch."),
                 "target_check": target_check,
                 "runtime_paths": generator.model.paths(),
+                "num_speculative_tokens_from": draft_length(cfg.num_speculative_tokens, cfg.draft)[1],
                 "machine": machine_info(device)}
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
                           num_prompts=len(samples)) if "ours" in use else \

@@ -7,6 +7,22 @@ from typing import Any
 import torch
 
 
+DEFAULT_LENGTH = 2  # drafts a round when neither the command nor the draft's "serving" record names one
+
+
+def draft_length(given: int | None, draft: str | None) -> tuple[int, str]:
+    """The draft length to run and where it comes from: the command's `num_speculative_tokens`, else the one the
+    trainer chose for the draft (final/config.json "serving", trainer/serving.py), else DEFAULT_LENGTH."""
+    from drafthead.registry import read_draft_config
+
+    if given is not None:
+        return given, "given"
+    rec = read_draft_config(draft).get("serving", {}) if draft else {}
+    if "num_speculative_tokens" in rec:
+        return int(rec["num_speculative_tokens"]), "the draft's serving record"
+    return DEFAULT_LENGTH, "the default"
+
+
 def resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 

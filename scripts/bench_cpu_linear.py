@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from drafthead import hardware
 from drafthead.eval.bench import read_bandwidth
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import cpu_linear, extension, hugepages
 
 DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7,
                 threads=None)
@@ -52,14 +52,14 @@ def main(argv: list[str]) -> int:
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) * k ** -0.5 for _ in range(c.layers) for n, k in shapes(c)]
     bw = read_bandwidth("cpu") / 1e9  # GB/s
-    pages = cpu_linear.HugePages()  # packed weights on the pages the runtime gives them, and the bound reads
+    pages = hugepages.HugePages()  # packed weights on the pages the runtime gives them, and the bound reads
     print(f"CPU class {hardware.cpu_class()}, {torch.get_num_threads()} threads, read bandwidth {bw:.1f} GB/s on "
-          f"{cpu_linear.pages()}, "
+          f"{hugepages.pages()}, "
           f"{len(weights)} projections, {sum(w.numel() for w in weights) / 1e6:.1f}M weights")
     methods: dict[str, tuple[list, int]] = {}  # name -> (per-projection callables by rows, bytes per pass)
-    peak = {k: cpu_linear.peak_macs(k) / 1e9 for k in cpu_linear.KINDS if cpu_linear.available(k)}  # GMAC/s
+    peak = {k: cpu_linear.peak_macs(k) / 1e9 for k in extension.KINDS if extension.available(k)}  # GMAC/s
     print("multiply-add rate from registers: " + ", ".join(f"{k} kernel {r:.0f} GMAC/s" for k, r in peak.items()))
-    if cpu_linear.available("fp32"):
+    if extension.available("fp32"):
         for storage in ("fp32", "bf16", "int8"):
             packed = []
             for w in weights:
@@ -70,15 +70,15 @@ def main(argv: list[str]) -> int:
                 lambda x, packed=packed: [cpu_linear.linear_fp32(xk(x, w), p, n, s)
                                           for (p, s, n), w in zip(packed, weights)], nbytes)
     else:
-        print(f"fp32 kernel skipped: {cpu_linear.unavailable_reason('fp32')}")
-    if cpu_linear.available("bf16"):  # bf16 activations too: what the runtime runs for a bf16 target
+        print(f"fp32 kernel skipped: {extension.unavailable_reason('fp32')}")
+    if extension.available("bf16"):  # bf16 activations too: what the runtime runs for a bf16 target
         packed16 = [(pages.put(cpu_linear.pack(w.bfloat16())), w.shape[0]) for w in weights]
         methods["AVX512-BF16 kernel, bf16"] = (
             lambda x: [cpu_linear.linear(xk(x, w).bfloat16(), p, n, stream=True)  # as the runtime runs a target's
                         for (p, n), w in zip(packed16, weights)],
             sum(w.numel() * 2 for w in weights))
     else:
-        print(f"AVX512-BF16 kernel skipped: {cpu_linear.unavailable_reason('bf16')}")
+        print(f"AVX512-BF16 kernel skipped: {extension.unavailable_reason('bf16')}")
     methods["oneDNN F.linear, fp32"] = (lambda x: [F.linear(xk(x, w), w) for w in weights],
                                         sum(w.numel() * 4 for w in weights))
     macs = sum(w.numel() for w in weights)  # a row's multiply-adds

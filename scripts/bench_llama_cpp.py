@@ -42,7 +42,7 @@ SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "llama": "draf
 
 
 def spec_type(gguf: Path) -> str:
-    from drafthead.export.common import read_gguf_metadata
+    from drafthead.export.gguf_meta import read_gguf_metadata
 
     arch = read_gguf_metadata(gguf).get("general.architecture", (0, None, None))[2]
     if arch not in SPEC_TYPES:

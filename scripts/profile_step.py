@@ -9,7 +9,7 @@ phases: projections (the decode kernel or oneDNN), attention (the extension's or
 elementwise math, KV writes and masks, and the rest of the wall time (Python and dispatch overhead). Prints the
 CPU class, the kernel, the bandwidth bound (`drafthead bench`'s) and milliseconds per phase, so the next thing
 to trim is the biggest row after the projections; `top=N` also lists the N operators with the most self time.
-The runtime runs a generated token's decoder layers in one call each (`cpu_linear.decode_layer`), where no phase
+The runtime runs a generated token's decoder layers in one call each (`packing.decode_layer`), where no phase
 inside a layer can be seen; by default this script runs them op by op with the same kernels and ops (the same
 bits) so the phases show, and `fused=true` times them as the runtime does, as one "decoder layers" phase.
 The labels the extension's calls get cost a few microseconds each under the profiler: wall times here run
@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafthead import hardware
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import cpu_linear, packing
 from drafthead.runtime import TargetModel
 from drafthead.target import load_target
 from drafthead.eval.bench import bandwidth_bound
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
                 return fn(*args)
         return call
 
-    cpu_linear.PackedLinear.forward = labelled(cpu_linear.PackedLinear.forward, "drafthead_cpu_linear")
+    packing.PackedLinear.forward = labelled(packing.PackedLinear.forward, "drafthead_cpu_linear")
     for name, label in (("attention_fp32", "drafthead_attention"), ("rms_norm", "drafthead_rms_norm"),
                         ("rope", "drafthead_rope"), ("silu_mul", "drafthead_silu_mul")):
         setattr(cpu_linear, name, labelled(getattr(cpu_linear, name), label))

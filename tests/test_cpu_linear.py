@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import cpu_linear, extension, hugepages, packing
 
-needs_kernel = pytest.mark.skipif(not cpu_linear.available(),
-                                  reason=f"bf16 CPU kernel unavailable: {cpu_linear.unavailable_reason()}")
-needs_fp32_kernel = pytest.mark.skipif(not cpu_linear.available("fp32"),
-                                       reason=f"fp32 CPU kernel unavailable: {cpu_linear.unavailable_reason('fp32')}")
+needs_kernel = pytest.mark.skipif(not extension.available(),
+                                  reason=f"bf16 CPU kernel unavailable: {extension.unavailable_reason()}")
+needs_fp32_kernel = pytest.mark.skipif(not extension.available("fp32"),
+                                       reason=f"fp32 CPU kernel unavailable: {extension.unavailable_reason('fp32')}")
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
@@ -27,9 +27,9 @@ def test_kernels_build_where_a_compiler_and_the_cpu_allow(kind: str) -> None:
 
     from torch.utils.cpp_extension import is_ninja_available
 
-    why = cpu_linear.unavailable_reason(kind)
+    why = extension.unavailable_reason(kind)
     if why is None:
-        assert cpu_linear.available(kind)
+        assert extension.available(kind)
         return
     if not why.startswith("building the extension failed"):
         pytest.skip(why)  # not for this CPU, or turned off
@@ -102,22 +102,22 @@ def _has_amx() -> bool:
 def test_amx_path_is_off_by_default_and_refused_cleanly_without_amx() -> None:
     """The AMX tiles are opt-in. Where the CPU has no AMX, asking for them is a named error and the AVX512-BF16 tiles
     keep running (same bits as before the request); where it has AMX, they turn on and off."""
-    assert cpu_linear.amx() is False or os.environ.get("DRAFTHEAD_AMX") == "1"
+    assert extension.amx() is False or os.environ.get("DRAFTHEAD_AMX") == "1"
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(64, 96, generator=g).bfloat16(), torch.randn(5, 96, generator=g).bfloat16()
     packed = cpu_linear.pack(w)
     before = cpu_linear.linear(x, packed, 64)
     if not _has_amx():
         with pytest.raises(RuntimeError, match="AMX tiles: this CPU .* lacks amx_bf16, amx_tile"):
-            cpu_linear.amx(True)
-        assert cpu_linear.amx() is False and torch.equal(cpu_linear.linear(x, packed, 64), before)
+            extension.amx(True)
+        assert extension.amx() is False and torch.equal(cpu_linear.linear(x, packed, 64), before)
         assert "AMX" not in cpu_linear.tile_path("bf16", 8)
         return
     try:
-        assert cpu_linear.amx(True) is True and cpu_linear.tile_path("bf16", 8).startswith("bf16 AMX")
+        assert extension.amx(True) is True and cpu_linear.tile_path("bf16", 8).startswith("bf16 AMX")
     finally:
-        cpu_linear.amx(False)
-    assert cpu_linear.amx() is False and torch.equal(cpu_linear.linear(x, packed, 64), before)
+        extension.amx(False)
+    assert extension.amx() is False and torch.equal(cpu_linear.linear(x, packed, 64), before)
 
 
 @needs_kernel
@@ -135,7 +135,7 @@ def test_amx_rows_have_the_same_bits_at_1_to_70_rows_and_match_the_reference(N: 
     odd = torch.randn(N, 34, generator=g).to(torch.bfloat16)  # K = 34: not a multiple of 32
     odd_x = torch.randn(9, 34, generator=g).to(torch.bfloat16)
     odd_before = cpu_linear.linear(odd_x, cpu_linear.pack(odd), N, b)
-    cpu_linear.amx(True)
+    extension.amx(True)
     try:
         alone = torch.cat([cpu_linear.linear(x[i: i + 1], packed, N, b) for i in range(70)])
         ref = reference(x, w, b)
@@ -144,7 +144,7 @@ def test_amx_rows_have_the_same_bits_at_1_to_70_rows_and_match_the_reference(N: 
         _same_bits_at_every_row_count(x, packed, N, b, alone)
         assert torch.equal(cpu_linear.linear(odd_x, cpu_linear.pack(odd), N, b), odd_before)
     finally:
-        cpu_linear.amx(False)
+        extension.amx(False)
 
 
 @needs_kernel
@@ -166,9 +166,9 @@ def test_bad_inputs_are_named_errors() -> None:
 def test_with_packed_linears_copies_bf16_linears_only() -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 48), nn.SiLU(), nn.Linear(48, 20, bias=False)).to(torch.bfloat16)
-    fast = cpu_linear.with_packed_linears(net)
+    fast = packing.with_packed_linears(net)
     assert fast is not net and type(net[0]) is nn.Linear  # the original is untouched
-    assert isinstance(fast[0], cpu_linear.PackedLinear) and isinstance(fast[2], cpu_linear.PackedLinear)
+    assert isinstance(fast[0], packing.PackedLinear) and isinstance(fast[2], packing.PackedLinear)
     assert fast[0].weight.dtype == torch.bfloat16  # code reading .weight still works
     x = torch.randn(5, 64).to(torch.bfloat16)
     with torch.no_grad():
@@ -176,7 +176,7 @@ def test_with_packed_linears_copies_bf16_linears_only() -> None:
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     assert torch.equal(fast(x[2:3]), fast(x)[2:3])  # row-invariant like the kernel
     f16 = nn.Linear(8, 8).half()
-    assert cpu_linear.with_packed_linears(f16) is f16  # no kernel for fp16: the module itself
+    assert packing.with_packed_linears(f16) is f16  # no kernel for fp16: the module itself
 
 
 def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path):
@@ -187,7 +187,7 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path):
     import time
     import warnings
 
-    from drafthead.kernels.cpu_linear import clear_stale_lock
+    from drafthead.kernels.extension import clear_stale_lock
 
     lock = tmp_path / "lock"
     assert clear_stale_lock(lock) is False  # none there
@@ -226,7 +226,7 @@ def switched(switch: Callable[[bool | None], bool], on: bool, missing: str) -> I
 
 def avx512_tiles(on: bool) -> contextlib.AbstractContextManager:
     """fp32-kernel projections of 2+ rows on their AVX-512 tiles (on) or their 8-lane tiles."""
-    return switched(cpu_linear.avx512_tiles, on, "the CPU has no AVX-512: fp32 projections run their 8-lane "
+    return switched(extension.avx512_tiles, on, "the CPU has no AVX-512: fp32 projections run their 8-lane "
                     "tiles only")
 
 
@@ -237,7 +237,7 @@ def test_avx2_dispatch_turns_the_extensions_avx512_code_off() -> None:
     import subprocess
     import sys
 
-    code = ("from drafthead.kernels import cpu_linear as c; from drafthead import hardware as h; "
+    code = ("from drafthead.kernels import extension as c; from drafthead import hardware as h; "
             "print(h.cpu_class(), c.avx512_tiles(), c.avx512_bf16_ops())")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -323,32 +323,32 @@ def test_with_packed_linears_packs_fp32_linears_too() -> None:
     # with scalar code that rounds differently, so only widths that are a multiple of 32 are row-invariant
     # outside the kernel (real hidden sizes are)
     net = nn.Sequential(nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 20, bias=False))
-    fast = cpu_linear.with_packed_linears(net)
-    assert fast is not net and isinstance(fast[0], cpu_linear.PackedLinear) and fast[0].kind == "fp32"
+    fast = packing.with_packed_linears(net)
+    assert fast is not net and isinstance(fast[0], packing.PackedLinear) and fast[0].kind == "fp32"
     x = torch.randn(5, 64)
     with torch.no_grad():
         want, got = net(x), fast(x)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(fast(x[2:3]), fast(x)[2:3])
-    assert cpu_linear.packed_bytes(fast) == (8 * 8 * 64 + 3 * 8 * 64) * 4  # 64 -> 8 blocks, 20 -> 3 blocks of 8
+    assert packing.packed_bytes(fast) == (8 * 8 * 64 + 3 * 8 * 64) * 4  # 64 -> 8 blocks, 20 -> 3 blocks of 8
 
 
 def test_packed_linear_and_kind_bad_inputs_are_named_errors() -> None:
     with pytest.raises(ValueError, match="unknown CPU kernel kind 'fp16'; kinds: bf16, fp32"):
-        cpu_linear.available("fp16")
+        extension.available("fp16")
     with pytest.raises(ValueError, match="no CPU decode kernel for torch.float16 layers"):
-        cpu_linear.PackedLinear(nn.Linear(8, 8).half())
+        packing.PackedLinear(nn.Linear(8, 8).half())
 
 
 @needs_kernel
 def test_compressed_weights_on_a_bf16_layer_are_a_named_error() -> None:
     with pytest.raises(ValueError, match="weights='int8' needs fp32 layers \\(this one is bf16\\)"):
-        cpu_linear.PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), "int8")
+        packing.PackedLinear(nn.Linear(8, 8).to(torch.bfloat16), "int8")
 
 
 def avx512_bf16_ops(on: bool) -> contextlib.AbstractContextManager:
     """bf16 attention and elementwise ops on their AVX512-BF16 code (on) or their AVX2 code."""
-    return switched(cpu_linear.avx512_bf16_ops, on, "the CPU has no AVX512-BF16: bf16 attention and elementwise "
+    return switched(extension.avx512_bf16_ops, on, "the CPU has no AVX512-BF16: bf16 attention and elementwise "
                     "ops run their AVX2 code only")
 
 
@@ -413,18 +413,18 @@ def test_fp32_attention_bad_inputs_are_named_errors() -> None:
 def test_concat_gives_each_part_its_own_bits(kind: str, weights: str) -> None:
     """q/k/v (and gate/up) run as one joined weight in the runtime: every output must keep the bits its own
     projection gives, at 1 and at 11 rows, with and without biases."""
-    if not cpu_linear.available(kind):
-        pytest.skip(f"{kind} CPU kernel unavailable: {cpu_linear.unavailable_reason(kind)}")
+    if not extension.available(kind):
+        pytest.skip(f"{kind} CPU kernel unavailable: {extension.unavailable_reason(kind)}")
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
     torch.manual_seed(0)
     # SmolLM2's q/k/v, and parts whose ends split the kernels' groups of blocks (5 and 10 blocks: neither a
     # multiple of the bf16 kernel's 4 nor of the fp32 kernel's 3)
     for bias, sizes in ((False, (576, 192, 192)), (True, (576, 192, 192)), (False, (80, 48, 16)), (True, (80, 48))):
         lins = [nn.Linear(576, n, bias=bias).to(dtype) for n in sizes]
-        parts = [cpu_linear.PackedLinear(lin, weights) for lin in lins]
-        joined = cpu_linear.concat(parts)
+        parts = [packing.PackedLinear(lin, weights) for lin in lins]
+        joined = packing.concat(parts)
         assert joined.out_features == sum(sizes)
-        assert cpu_linear.packed_bytes(joined) == sum(map(cpu_linear.packed_bytes, parts))
+        assert packing.packed_bytes(joined) == sum(map(packing.packed_bytes, parts))
         for rows in (1, 11):
             x = torch.randn(rows, 576).to(dtype)
             want = torch.cat([p(x) for p in parts], dim=-1)  # [rows, sum(sizes)]
@@ -433,13 +433,13 @@ def test_concat_gives_each_part_its_own_bits(kind: str, weights: str) -> None:
 
 @needs_fp32_kernel
 def test_concat_refuses_parts_it_cannot_join() -> None:
-    a = cpu_linear.PackedLinear(nn.Linear(64, 16, bias=False))
+    a = packing.PackedLinear(nn.Linear(64, 16, bias=False))
     with pytest.raises(ValueError, match="whole packed blocks"):  # 20 outputs: a padded block in the middle
-        cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 20, bias=False)), a])
+        packing.concat([packing.PackedLinear(nn.Linear(64, 20, bias=False)), a])
     with pytest.raises(ValueError, match="bias presence"):
-        cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 16)), a])
+        packing.concat([packing.PackedLinear(nn.Linear(64, 16)), a])
     with pytest.raises(ValueError, match="storage"):
-        cpu_linear.concat([cpu_linear.PackedLinear(nn.Linear(64, 16, bias=False), "int8"), a])
+        packing.concat([packing.PackedLinear(nn.Linear(64, 16, bias=False), "int8"), a])
 
 
 @needs_fp32_kernel
@@ -530,37 +530,37 @@ def test_project_joins_packed_draft_projections_with_their_own_bits(dtype: torch
     from drafthead.layers import project
 
     kind = cpu_linear.kind_for(dtype)
-    if not cpu_linear.available(kind):
-        pytest.skip(f"{kind} CPU kernel unavailable: {cpu_linear.unavailable_reason(kind)}")
+    if not extension.available(kind):
+        pytest.skip(f"{kind} CPU kernel unavailable: {extension.unavailable_reason(kind)}")
     torch.manual_seed(0)
     lins = [nn.Linear(64, n, bias=False).to(dtype) for n in (96, 32, 32)]
-    packed = [cpu_linear.PackedLinear(lin) for lin in lins]
+    packed = [packing.PackedLinear(lin) for lin in lins]
     x = torch.randn(3, 64).to(dtype)
     with torch.no_grad():
         got = project(x, *packed)
-        assert cpu_linear.joined(*packed) is cpu_linear.joined(*packed) is not None  # made once
+        assert packing.joined(*packed) is packing.joined(*packed) is not None  # made once
         assert all(torch.equal(g, p(x)) for g, p in zip(got, packed))
         assert all(torch.equal(g, lin(x)) for g, lin in zip(project(x, *lins), lins))
-    assert cpu_linear.joined(*lins) is None
-    odd = cpu_linear.PackedLinear(nn.Linear(64, 20, bias=False).to(dtype))  # not whole blocks: no join
-    assert cpu_linear.joined(packed[0], odd) is None
+    assert packing.joined(*lins) is None
+    odd = packing.PackedLinear(nn.Linear(64, 20, bias=False).to(dtype))  # not whole blocks: no join
+    assert packing.joined(packed[0], odd) is None
     assert all(torch.equal(g, p(x)) for g, p in zip(project(x, packed[0], odd), (packed[0], odd)))
 
 
 def test_huge_pages_copies_are_exact_aligned_on_huge_pages_and_outlive_their_arena() -> None:
     """`HugePages.put`: the same values, 64-byte aligned, one after another in a chunk that starts on a 2 MB boundary,
     backed by huge pages (what the decode step streams), and alive after the arena itself is gone."""
-    why = cpu_linear.huge_pages()
+    why = hugepages.huge_pages()
     if why is not None:
         pytest.skip(f"huge pages off here: {why}")
-    pages = cpu_linear.HugePages(chunk=4 << 20)
+    pages = hugepages.HugePages(chunk=4 << 20)
     g = torch.Generator().manual_seed(0)
     small, big = torch.randn(100, 37, generator=g).bfloat16(), torch.randn(1 << 20, 3, generator=g)  # 7.4 KB, 12 MB
     a, b, c = pages.put(small), pages.put(small.t()), pages.put(big)
     assert torch.equal(a, small) and torch.equal(b, small.t()) and torch.equal(c, big)
     assert a.data_ptr() % (2 << 20) == 0 and b.data_ptr() == a.data_ptr() + 7424  # 7400 bytes, rounded up to 64
     assert c.data_ptr() % (2 << 20) == 0 and c.data_ptr() != a.data_ptr() + 2 * 7424  # too big: a chunk of its own
-    assert cpu_linear.huge_page_bytes(c) >= 10 << 20, "Linux gave the 12 MB copy no huge pages"
+    assert hugepages.huge_page_bytes(c) >= 10 << 20, "Linux gave the 12 MB copy no huge pages"
     del pages
     assert torch.equal(a, small) and torch.equal(c, big)
 
@@ -568,4 +568,4 @@ def test_huge_pages_copies_are_exact_aligned_on_huge_pages_and_outlive_their_are
 def test_huge_pages_off_keeps_tensors_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DRAFTHEAD_HUGE_PAGES", "0")
     t = torch.randn(64, 64)
-    assert cpu_linear.huge_pages() == "DRAFTHEAD_HUGE_PAGES=0" and cpu_linear.HugePages().put(t) is t
+    assert hugepages.huge_pages() == "DRAFTHEAD_HUGE_PAGES=0" and hugepages.HugePages().put(t) is t

@@ -278,10 +278,10 @@ def test_block_verify_of_up_to_64_rows_is_lossless_through_the_decode_kernels(dt
     """Greedy block mode equals AR token for token with the target on the CPU decode kernels, where a round
     verifies up to 16 tokens for each of 4 requests (64 rows a projection: every multi-row tile path), with an
     oracle block so that long drafts are accepted as well as cut."""
-    from drafthead.kernels import cpu_linear
+    from drafthead.kernels import extension
     from test_runtime import random_prompts, tiny_target
 
-    if not cpu_linear.available("bf16" if dtype == torch.bfloat16 else "fp32"):
+    if not extension.available("bf16" if dtype == torch.bfloat16 else "fp32"):
         pytest.skip("no decode kernel of this kind on this CPU")
     target = tiny_target("qwen3", dtype=dtype, seed=4, head_scale=4.0, hidden_size=64, intermediate_size=128)
     drafter = make_drafter(target, block_size=16, ids=(0,)).to(dtype)

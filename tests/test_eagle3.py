@@ -244,19 +244,19 @@ def test_one_call_draft_step_gives_the_op_by_op_bits(dtype, norm_before_residual
     (`layers.one_call_layer`, DecodeLayer.forward_input). Logits, output hidden and the KV cache written must be
     the op-by-op path's bits, for a lone token and a causal block, two requests at their own slots."""
     import drafthead.eagle3 as eagle3
-    from drafthead.kernels import cpu_linear
+    from drafthead.kernels import extension, packing
     from drafthead.layers import one_call_layer
 
     kinds = ("fp32",) if dtype == torch.float32 else ("fp32", "bf16")
-    if not all(cpu_linear.available(k) for k in kinds):
-        pytest.skip(f"CPU kernel unavailable: {[cpu_linear.unavailable_reason(k) for k in kinds]}")
+    if not all(extension.available(k) for k in kinds):
+        pytest.skip(f"CPU kernel unavailable: {[extension.unavailable_reason(k) for k in kinds]}")
     m = tiny_drafter(norm_output=norm_output)
     m.config.norm_before_residual = norm_before_residual
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for norm in (m.midlayer.input_layernorm, m.midlayer.hidden_norm, m.midlayer.post_attention_layernorm, m.norm):
             norm.weight.copy_(1 + 0.3 * torch.randn(H, generator=g))
-    packed = cpu_linear.with_packed_linears(m.to(dtype))
+    packed = packing.with_packed_linears(m.to(dtype))
     c = m.config
     layer, attn = packed.midlayer, packed.midlayer.self_attn
     assert one_call_layer(packed, c.num_attention_heads, c.num_key_value_heads, c.head_dim,

@@ -394,10 +394,10 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
     for curve in (r["verify_cost"], r["verify_cost_hf"]):
         assert [c["num_tokens"] for c in curve] == [1, 2, 8] and curve[0]["relative_to_first"] == 1
         assert all(c["ms"] > 0 for c in curve)
-    from drafthead.kernels import cpu_linear
+    from drafthead.kernels import cpu_linear, extension, hugepages
 
     bound = on_disk["bandwidth_bound"]  # fp32 tiny target: the fp32 kernel where the CPU has AVX2 + FMA
-    assert bound["kernel"] == ("fp32" if cpu_linear.available("fp32") else None) and bound["weights"] == "fp32"
+    assert bound["kernel"] == ("fp32" if extension.available("fp32") else None) and bound["weights"] == "fp32"
     c = target.config
     per_layer = 2 * c.hidden_size * c.hidden_size + 2 * c.hidden_size * c.num_key_value_heads * (
         c.hidden_size // c.num_attention_heads) + 3 * c.hidden_size * c.intermediate_size
@@ -408,7 +408,7 @@ def test_bench_tiny_model_all_methods_agree_with_our_ar(tmp_path):
     from drafthead.eval.bench import bandwidth_bound
     from drafthead.runtime import TargetModel
 
-    pages = cpu_linear.pages()
+    pages = hugepages.pages()
     assert bound["pages"] == pages and bound["read"].endswith(f" on {pages}")
     alone = bandwidth_bound(TargetModel(target.model), "cpu")  # no readings given: it reads now (profile_step.py)
     assert alone["read_gb_per_s_range"] is None and alone["read"] == f"best of 5 sums over 512 MiB on {pages}"

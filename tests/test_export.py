@@ -216,7 +216,7 @@ def test_outtype_bf16_safetensors(setup, tmp_path):
 # layouts
 
 def test_gguf_metadata_reader_matches_gguf_package(setup, tmp_path):
-    from drafthead.export.common import read_gguf_metadata
+    from drafthead.export.gguf_meta import read_gguf_metadata
 
     path = export(setup["draft"], "gguf", tmp_path / "d.gguf")
     ours = read_gguf_metadata(path)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from drafthead import hardware
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import extension
 from drafthead.trainer.step import autocast
 
 CASES = [  # (torch capability, cpuinfo flags, class, auto dtype)
@@ -81,7 +81,7 @@ def test_training_autocast_follows_the_decision(monkeypatch, cap, flags, cls, au
 def test_decode_kernel_only_where_avx512_bf16_is_dispatched(monkeypatch, cap, flags, cls, auto):
     """The packed bf16 kernel follows the same class: an emulated AVX2 machine falls back to oneDNN."""
     fake_cpu(monkeypatch, cap, flags)
-    assert cpu_linear._cpu_has_avx512_bf16() == ("avx512_bf16" in flags and cls in ("AVX512-BF16", "AMX"))
+    assert extension._cpu_has_avx512_bf16() == ("avx512_bf16" in flags and cls in ("AVX512-BF16", "AMX"))
 
 
 def test_load_target_auto_uses_the_decision(monkeypatch, tiny_llama_dir):

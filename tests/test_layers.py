@@ -74,11 +74,11 @@ def test_inference_norm_and_rope_match_the_training_math(dtype):
     """Outside autograd on CPU, RMSNorm and RoPE take one extension call each (a draft step): RoPE gives the bits
     of the training formula; RMSNorm gives them in bf16 and agrees within fp32 rounding in fp32 (its sum of
     squares runs in another order)."""
-    from drafthead.kernels import cpu_linear
+    from drafthead.kernels import extension
     from drafthead.layers import RMSNorm, apply_rope, rope_cos_sin
 
-    if not cpu_linear.available("fp32"):
-        pytest.skip(f"fp32 CPU kernel unavailable: {cpu_linear.unavailable_reason('fp32')}")
+    if not extension.available("fp32"):
+        pytest.skip(f"fp32 CPU kernel unavailable: {extension.unavailable_reason('fp32')}")
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(96, 1e-5).to(dtype)
     with torch.no_grad():

@@ -177,7 +177,7 @@ def test_gguf_equals_llama_cpp_converter(world, tmp_path):
     import gguf
     import numpy as np
 
-    from drafthead.export.common import read_gguf_metadata
+    from drafthead.export.gguf_meta import read_gguf_metadata
     from drafthead.export.llama_cpp import llama_cpp_source
 
     target = world["target"]

@@ -178,7 +178,7 @@ def test_gguf_layout(world):
     import gguf
     import numpy as np
 
-    from drafthead.export.common import read_gguf_metadata
+    from drafthead.export.gguf_meta import read_gguf_metadata
 
     kv = read_gguf_metadata(world["files"]["trained"])
     assert kv["general.architecture"][2] == "qwen35" and kv["qwen35.nextn_predict_layers"][2] == 1

@@ -104,9 +104,9 @@ def test_config_from_targets_and_step_weights():
     f = MtpConfig.from_target(tiny_llama().config, num_draft_tokens=3, step_weights=FASTMTP_STEP_WEIGHTS,
                               recursive=False)
     assert f.step_weights == [0.51, 0.31, 0.18] and f.stored_modules == 3
-    with pytest.raises(ValueError, match="step_weights has 2 entries for num_draft_tokens=3"):
+    with pytest.raises(ValueError, match="MTP step_weights: 2 weights for num_draft_tokens=3"):
         MtpConfig.from_target(tiny_llama().config, num_draft_tokens=3, step_weights=[0.5, 0.5])
-    with pytest.raises(ValueError, match="attention='tree'"):
+    with pytest.raises(ValueError, match="attention: 'tree'"):
         MtpConfig.from_target(tiny_llama().config, attention="tree")
     with pytest.raises(ValueError, match="SwiGLU"):
         MtpConfig.from_target(LlamaConfig(hidden_act="gelu"))

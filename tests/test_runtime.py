@@ -19,7 +19,7 @@ from drafthead import hardware
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
 from drafthead.family import OwnLayers
 from drafthead.layers import kv_cache
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import cpu_linear, extension, hugepages, packing
 from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
 from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
 from drafthead.runtime.draft import CHAIN, TREE, ngram_lookup
@@ -302,7 +302,7 @@ def test_bf16_projections_are_row_invariant_beyond_32_rows() -> None:
         pytest.skip("oneDNN's bf16 matmul is row-invariant at 40 rows on this CPU: the case cannot fail here")
 
 
-@pytest.mark.skipif(not cpu_linear.available(), reason="bf16 CPU kernel unavailable")
+@pytest.mark.skipif(not extension.available(), reason="bf16 CPU kernel unavailable")
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_bf16_decode_kernel_is_close_to_hf_and_lossless(arch: str) -> None:
     """bf16 TargetModel: decode-step logits (packed kernel) are close to HF's bf16 forward, and greedy
@@ -330,7 +330,7 @@ def test_bf16_decode_kernel_is_close_to_hf_and_lossless(arch: str) -> None:
             assert [r.tokens for r in gen.generate(prompts, 16, spec)] == want, (on, spec)
 
 
-@pytest.mark.skipif(not cpu_linear.available("fp32"), reason="fp32 CPU kernel unavailable")
+@pytest.mark.skipif(not extension.available("fp32"), reason="fp32 CPU kernel unavailable")
 @pytest.mark.parametrize("arch,weights", [("llama", None), ("qwen3", None), ("llama", "bf16"), ("qwen2", "int8")])
 def test_fp32_decode_kernel_is_lossless_bit_for_bit(arch: str, weights: str | None) -> None:
     """fp32 TargetModel on CPU: generated tokens go through the fp32 kernel (weights as loaded, or compressed to
@@ -369,8 +369,8 @@ def test_joined_decode_groups_give_the_bits_of_separate_projections(arch: str, d
     """Generated tokens run q/k/v and gate/up as one packed weight each: the logits equal those of a runtime
     that runs every projection on its own, bit for bit (Qwen2: with the q/k/v biases)."""
     kind = cpu_linear.kind_for(dtype)
-    if not cpu_linear.available(kind):
-        pytest.skip(f"{kind} CPU kernel unavailable: {cpu_linear.unavailable_reason(kind)}")
+    if not extension.available(kind):
+        pytest.skip(f"{kind} CPU kernel unavailable: {extension.unavailable_reason(kind)}")
     target = tiny_target(arch, dtype=dtype, seed=3)
     seq = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
 
@@ -383,7 +383,7 @@ def test_joined_decode_groups_give_the_bits_of_separate_projections(arch: str, d
     got = decode(joined)
     a, m = joined.layers[0].self_attn, joined.layers[0].mlp
     assert joined.packed(a.q_proj, a.k_proj, a.v_proj) is not None and joined.packed(m.gate_proj, m.up_proj) is not None
-    monkeypatch.setattr(cpu_linear, "can_concat", lambda parts: False)
+    monkeypatch.setattr(packing, "can_concat", lambda parts: False)
     apart = TargetModel(target.model)
     assert torch.equal(decode(apart), got)
     assert apart.packed(a.q_proj, a.k_proj, a.v_proj) is None and apart.streamed_bytes() == joined.streamed_bytes()
@@ -393,13 +393,13 @@ def test_joined_decode_groups_give_the_bits_of_separate_projections(arch: str, d
                                                  ("qwen3", torch.float32, "bf16"), ("llama", torch.bfloat16, None),
                                                  ("qwen2", torch.bfloat16, None), ("qwen3", torch.bfloat16, None)])
 def test_one_call_layers_give_the_bits_of_op_by_op_layers(arch: str, dtype: torch.dtype, weights: str | None) -> None:
-    """Generated tokens run each decoder layer in one call (`cpu_linear.decode_layer`): logits, captured features
+    """Generated tokens run each decoder layer in one call (`packing.decode_layer`): logits, captured features
     and the KV cache equal those of the op-by-op layer, bit for bit, for a lone token, a causal block and a tree
     block, with two requests at different lengths (Qwen2: q/k/v biases; Qwen3: q/k norms)."""
     kind = cpu_linear.kind_for(dtype)
-    if not (cpu_linear.available(kind) and cpu_linear.available("fp32")):
+    if not (extension.available(kind) and extension.available("fp32")):
         pytest.skip(f"CPU kernels unavailable: "
-                    f"{cpu_linear.unavailable_reason(kind) or cpu_linear.unavailable_reason('fp32')}")
+                    f"{extension.unavailable_reason(kind) or extension.unavailable_reason('fp32')}")
     target = tiny_target(arch, dtype=dtype, seed=4, head_dim=16, num_attention_heads=6, num_key_value_heads=2,
                          hidden_size=48, intermediate_size=96)
     g = torch.Generator().manual_seed(2)
@@ -430,8 +430,8 @@ def test_one_call_layers_give_the_bits_of_op_by_op_layers(arch: str, dtype: torc
 
 
 def test_one_call_layer_bad_inputs_are_named_errors() -> None:
-    if not cpu_linear.available("fp32"):
-        pytest.skip(f"fp32 CPU kernel unavailable: {cpu_linear.unavailable_reason('fp32')}")
+    if not extension.available("fp32"):
+        pytest.skip(f"fp32 CPU kernel unavailable: {extension.unavailable_reason('fp32')}")
     tm = TargetModel(tiny_target("llama", dtype=torch.float32, head_dim=16, num_attention_heads=2).model)
     step = tm.fused_layer(0, tm.layers[0])
     cache, h = tm.new_cache(1, 8), torch.zeros(1, 1, 32)
@@ -453,7 +453,7 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
     a, layer = tm.layers[0].self_attn, tm.layers[0]
     qkv, o = tm.packed(a.q_proj, a.k_proj, a.v_proj), tm.packed(a.o_proj)
     gate_up, down = tm.packed(layer.mlp.gate_proj, layer.mlp.up_proj), tm.packed(layer.mlp.down_proj)
-    ext = cpu_linear._ext("fp32")
+    ext = extension.ext("fp32")
     norm = layer.input_layernorm.weight.detach()
 
     def make(qkv_args=None, q_norm=None, k_norm=None, capsule=None, norms=norm):
@@ -471,19 +471,19 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
         make(qkv_args=(qkv.packed, qkv.packed.shape[0] * 8 + 1, None, None))
     with pytest.raises(RuntimeError, match="q_norm without k_norm"):
         make(q_norm=torch.ones(16))
-    if cpu_linear.available("bf16"):  # a bf16 layer needs the bf16 kernel's weights and its capsule
+    if extension.available("bf16"):  # a bf16 layer needs the bf16 kernel's weights and its capsule
         with pytest.raises(RuntimeError, match="packed by its dtype's kernel"):
-            make(norms=norm.bfloat16(), capsule=cpu_linear._ext("bf16").LINEAR)
-        bq = cpu_linear.PackedLinear(nn.Linear(32, 96, bias=False).bfloat16())
-        bo = cpu_linear.PackedLinear(nn.Linear(32, 32, bias=False).bfloat16())
-        bgu = cpu_linear.PackedLinear(nn.Linear(32, 128, bias=False).bfloat16())
-        bd = cpu_linear.PackedLinear(nn.Linear(64, 32, bias=False).bfloat16())
+            make(norms=norm.bfloat16(), capsule=extension.ext("bf16").LINEAR)
+        bq = packing.PackedLinear(nn.Linear(32, 96, bias=False).bfloat16())
+        bo = packing.PackedLinear(nn.Linear(32, 32, bias=False).bfloat16())
+        bgu = packing.PackedLinear(nn.Linear(32, 128, bias=False).bfloat16())
+        bd = packing.PackedLinear(nn.Linear(64, 32, bias=False).bfloat16())
 
         def make_bf16(capsule):
             return ext.DecodeLayer(0, 2, 2, 16, 0.25, norm.bfloat16(), 1e-5, norm.bfloat16(), 1e-5, None, None, 0.0,
                                    *[(p.packed, p.out_features, None, None) for p in (bq, bo, bgu, bd)], capsule, True)
 
-        assert make_bf16(cpu_linear._ext("bf16").LINEAR) is not None
+        assert make_bf16(extension.ext("bf16").LINEAR) is not None
         with pytest.raises(RuntimeError, match="need the bf16 extension's LINEAR capsule"):
             make_bf16(None)
         import ctypes
@@ -515,7 +515,7 @@ def test_one_call_layer_bad_inputs_are_named_errors() -> None:
     with pytest.raises(RuntimeError, match="cos and sin"):
         bare.forward_input(step_x, h, cos.double(), sin.double(), cache, slots, mask)
     with pytest.raises(RuntimeError, match="do not make one layer"):  # o where q/k/v belongs
-        cpu_linear.decode_layer(0, 2, 2, 16, 0.25, tm.layers[0].input_layernorm, tm.layers[0].post_attention_layernorm,
+        packing.decode_layer(0, 2, 2, 16, 0.25, tm.layers[0].input_layernorm, tm.layers[0].post_attention_layernorm,
                                 tm.packed(a.o_proj), tm.packed(a.o_proj),
                                 tm.packed(tm.layers[0].mlp.gate_proj, tm.layers[0].mlp.up_proj),
                                 tm.packed(tm.layers[0].mlp.down_proj))
@@ -529,10 +529,10 @@ def test_compressed_weights_need_the_fp32_kernel() -> None:
 
 
 def test_bf16_decode_kernel_unavailable_falls_back_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_linear, "_state", {})
+    monkeypatch.setattr(extension, "_state", {})
     monkeypatch.setenv("DRAFTHEAD_CPU_KERNEL", "0")
-    assert not cpu_linear.available()
-    assert cpu_linear.unavailable_reason() == "DRAFTHEAD_CPU_KERNEL=0"
+    assert not extension.available()
+    assert extension.unavailable_reason() == "DRAFTHEAD_CPU_KERNEL=0"
     with pytest.raises(RuntimeError, match="DRAFTHEAD_CPU_KERNEL=0"):
         cpu_linear.pack(torch.zeros(4, 8, dtype=torch.bfloat16))
     tm = TargetModel(tiny_target("llama", dtype=torch.bfloat16).model)
@@ -627,11 +627,11 @@ def test_greedy_is_lossless_bf16(arch: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_packed_weights_on_huge_pages_give_the_same_bits(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The target's packed weights go on huge pages (`cpu_linear.HugePages`) where Linux offers them, and `paths()`
+    """The target's packed weights go on huge pages (`hugepages.HugePages`) where Linux offers them, and `paths()`
     says where they lie; prompts, decode steps and verify blocks give the same bits as on ordinary pages."""
     kind = cpu_linear.kind_for(dtype)
-    if not cpu_linear.available(kind) or cpu_linear.huge_pages() is not None:
-        pytest.skip(f"{kind} kernel: {cpu_linear.unavailable_reason(kind)}; huge pages: {cpu_linear.huge_pages()}")
+    if not extension.available(kind) or hugepages.huge_pages() is not None:
+        pytest.skip(f"{kind} kernel: {extension.unavailable_reason(kind)}; huge pages: {hugepages.huge_pages()}")
     target = tiny_target("qwen3", dtype=dtype, seed=4, hidden_size=64, intermediate_size=128)
     prefix, new = torch.randint(3, 128, (2, 9)), torch.randint(3, 128, (2, 12))
     got = {}
@@ -640,7 +640,7 @@ def test_packed_weights_on_huge_pages_give_the_same_bits(dtype: torch.dtype, mon
         tm = TargetModel(target.model, aux_layer_ids=[0, 1, 1])
         got[on] = forward_in_blocks(tm, prefix, new, [1, 3, 8], 32)
         if on == "1":  # (ordinary pages may be huge too where Linux's setting is `always`)
-            assert cpu_linear.huge_page_bytes(tm.packed(target.model.lm_head).packed) > 0
+            assert hugepages.huge_page_bytes(tm.packed(target.model.lm_head).packed) > 0
         assert tm.paths().endswith("packed weights on 2 MB pages" if on == "1"
                                    else "packed weights on 4 KB pages: DRAFTHEAD_HUGE_PAGES=0")
     assert all(torch.equal(a, b) for a, b in zip(got["1"], got["0"]))
@@ -649,9 +649,9 @@ def test_packed_weights_on_huge_pages_give_the_same_bits(dtype: torch.dtype, mon
 def test_prompts_take_onednn_on_amx_and_the_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Prompts go through the decode kernels except on AMX CPUs (oneDNN's tiles): either way generated tokens take
     the kernels and speculative output equals AR output; the two prompt paths agree up to bf16 rounding."""
-    if not (cpu_linear.available("bf16") and cpu_linear.available("fp32")):
+    if not (extension.available("bf16") and extension.available("fp32")):
         pytest.skip(f"CPU kernels unavailable: "
-                    f"{cpu_linear.unavailable_reason('bf16') or cpu_linear.unavailable_reason('fp32')}")
+                    f"{extension.unavailable_reason('bf16') or extension.unavailable_reason('fp32')}")
     target = tiny_target("llama", dtype=torch.bfloat16, seed=4, head_scale=4.0)
     prompts = random_prompts(3, 128, seed=5)
     logits = {}

@@ -140,6 +140,12 @@ def test_run_dir_contents(full_run, tiny_llama_dir, tiny_sharegpt):
     assert meta["family"] == "eagle3" and meta["target"]["num_hidden_layers"] == 4
     assert meta["draft"]["aux_layer_ids"] == [1, 2, 3] and meta["draft"]["draft_vocab_size"] == 128
     assert meta["train"]["steps"] == 6 and "eval/acc_0" in meta["train"]
+    # the serving record: the draft length with the best held-out tau over its measured round cost, k <= depth 3
+    serving = meta["serving"]
+    assert serving["mode"] == "chain" and set(serving["by_length"]) == {"1", "2", "3"}
+    best = max(serving["by_length"].items(), key=lambda kv: (kv[1]["tau"] / kv[1]["cost"], -int(kv[0])))
+    assert serving["num_speculative_tokens"] == int(best[0]) and all(
+        v["cost"] > 0 and 1 <= v["tau"] <= 1 + int(k) for k, v in serving["by_length"].items())
     draft = load_draft(full_run / "final", embed_weight=target.model.get_input_embeddings().weight)
     ck = weights(ckpts[1])
     assert "embed_tokens.weight" not in ck  # the target's tensors: neither checkpoints nor final/ store them

@@ -117,6 +117,10 @@ class TrainConfig:
     num_threads: int | None = None  # torch CPU threads per rank (null = torch default)
     dry_run: bool = False  # print the memory per rank from the target's config and exit (no weights loaded)
 
+    # after the final save, time our runtime on a held-out prompt and record the draft length with the best
+    # expected speedup in final/config.json "serving" (one-process runs on a runtime-supported target; seconds)
+    choose_serving: bool = True
+
 
 @dataclass
 class BudgetConfig:

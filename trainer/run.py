@@ -15,6 +15,7 @@ final draft. The loop and the pieces around it are the functions below it, in th
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shlex
@@ -194,7 +195,31 @@ def train(job: Job) -> Path:
     logger.close()
 
     # --- final draft -----------------------------------------------------------------------------
-    return finish(job, engine, target, plan, step, total_steps, state, last_eval, budget_rec)
+    prompt = feats.eval_batches[0]["input_ids"][0, :64].tolist() if feats.eval_batches else []
+    return finish(job, engine, target, plan, step, total_steps, state, last_eval, budget_rec, prompt)
+
+
+def record_serving(job: Job, target: Target, final: Path, last_eval: dict, prompt: list[int]) -> None:
+    """Add the "serving" record (trainer/serving.py) to final/config.json; a run where it cannot be measured here
+    records why, and eval's defaults then apply."""
+    from drafthead.runtime.model import SUPPORTED_MODEL_TYPES
+    from drafthead.trainer import serving
+
+    cfg, d = job.cfg, job.d
+    if not cfg.train.choose_serving:
+        rec = {"why": "train.choose_serving=false"}
+    elif d.world > 1:
+        rec = {"why": "measured in one-process runs only: choose with drafthead bench"}
+    elif target.config.model_type not in SUPPORTED_MODEL_TYPES or not prompt:
+        rec = {"why": "our runtime does not run this target" if prompt else "no held-out data"}
+    else:
+        rec = serving.choose(last_eval, target, final, prompt)
+    meta = json.loads((final / "config.json").read_text())
+    atomic_write_bytes(final / "config.json", (json.dumps({**meta, "serving": rec}, indent=2) + "\n").encode())
+    if "num_speculative_tokens" in rec:
+        by = ", ".join(f"k={k}: tau {v['tau']:.2f} / cost {v['cost']:.2f}" for k, v in rec["by_length"].items())
+        job.log(f"serving: num_speculative_tokens={rec['num_speculative_tokens']} ({by}; measured on "
+                f"{rec['measured_on']})")
 
 
 def features(job: Job, target: Target, prep: Prepared, layer_ids: list[int], store_argmax: bool) -> Features:
@@ -364,8 +389,9 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
 
 
 def finish(job: Job, engine: Any, target: Target, plan: Plan | None, step: int, total_steps: int, state: dict,
-           last_eval: dict, budget_rec: dict) -> Path:
-    """Save the final draft when the run reached its last step (else say how to resume)."""
+           last_eval: dict, budget_rec: dict, prompt: list[int]) -> Path:
+    """Save the final draft when the run reached its last step, with the settings to serve it with (else say how
+    to resume)."""
     cfg, d = job.cfg, job.d
     final = job.run_dir / "final"
     if step >= total_steps:
@@ -375,6 +401,7 @@ def finish(job: Job, engine: Any, target: Target, plan: Plan | None, step: int, 
                            extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.dp,
                                             "recipe": cfg.recipe, "wall_s": round(job.elapsed(), 1), **last_eval},
                                   "budget": budget_rec})
+                record_serving(job, target, final, last_eval, prompt)
         job.log(f"\ndraft saved to {final}\nnext: drafthead eval draft={final} dataset=mt_bench max_prompts=10")
     else:
         job.log(f"\nstopped at step {step} of {total_steps}; run the same command again to resume")

@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 
 from drafthead.dflash import DflashConfig, mask_token_problem
 from drafthead.export.common import (GGUF_FINGERPRINT_KEY, ExportError, TargetInfo, cast_state, check_gguf_out,
-                                     export_target_info, target_fingerprint, write_hf_dir)
+                                     target_fingerprint, write_hf_dir)
+from drafthead.export.target_info import export_target_info
 from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, write_atomic, write_tensors
 from drafthead.registry import LoadedDraft
 

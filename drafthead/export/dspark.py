@@ -26,7 +26,8 @@ from safetensors.torch import load_file
 from drafthead.dspark import DsparkConfig
 from drafthead.export import dflash as dflash_export
 from drafthead.export.common import (GGUF_FINGERPRINT_KEY, ExportError, TargetInfo, cast_state, check_gguf_out,
-                                     dtype_name, export_target_info, target_fingerprint, write_hf_dir)
+                                     dtype_name, target_fingerprint, write_hf_dir)
+from drafthead.export.target_info import export_target_info
 from drafthead.export.gguf import OUTTYPES, add_model_keys, copy_tokenizer, write_atomic, write_tensors
 from drafthead.registry import LoadedDraft
 

@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 
 from drafthead.eagle3 import FAMILY, Eagle3Config, Eagle3Drafter
 from drafthead.export import eagle3_gguf, eagle3_sglang, eagle3_speculators
-from drafthead.export.common import ExportError, TargetInfo, export_target_info
+from drafthead.export.common import ExportError, TargetInfo
+from drafthead.export.target_info import export_target_info
 from drafthead.registry import NOT_SAVED, LoadedDraft, attach_embedding, check_state
 
 

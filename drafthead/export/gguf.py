@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafthead.export.common import ExportError, default_mode, read_gguf_metadata
+from drafthead.export.common import ExportError, default_mode
+from drafthead.export.gguf_meta import read_gguf_metadata
 from drafthead.io import writing
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")

@@ -191,7 +191,7 @@ def export_gguf(draft: LoadedDraft, out: str | os.PathLike, target: str | None =
     """The standalone draft as a llama GGUF (f32 by default), tokenizer from the target's GGUF."""
     import gguf
 
-    from drafthead.export.common import export_target_info
+    from drafthead.export.target_info import export_target_info
     from drafthead.export.gguf import add_model_keys, copy_tokenizer, write_atomic, write_tensors
 
     outtype = outtype or "f32"

@@ -46,8 +46,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from drafthead.export.common import (SAFETENSORS_DTYPES, ExportError, check_gguf_out, default_mode,
-                                     read_gguf_metadata)
+from drafthead.export.common import SAFETENSORS_DTYPES, ExportError, check_gguf_out, default_mode
+from drafthead.export.gguf_meta import read_gguf_metadata
 from drafthead.io import atomic_dir, writing
 from drafthead.mtp import MtpConfig, MtpDrafter
 from drafthead.mtp_native import layout, native_prefixes, to_native, to_ours

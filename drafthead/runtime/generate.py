@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import packing
 from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
 from drafthead.runtime.contract import DraftMode, DraftState, Proposal, SpecConfig, inference
 from drafthead.runtime.draft import chain_proposal, merge_ngram, ngram_lookup
@@ -89,7 +89,7 @@ class SpeculativeGenerator:
         self.draft_model: nn.Module | None = None
         if self.drafter is not None:
             own = self.drafter.runtime_module()
-            self.draft_model = own if own is not None else cpu_linear.with_packed_linears(self.drafter)
+            self.draft_model = own if own is not None else packing.with_packed_linears(self.drafter)
         aux = check_drafter(drafter, target.config) if drafter is not None else []
         last = drafter is not None and drafter.features == "last"
         self.model = TargetModel(target.model.to(self.device), aux, capture_last=last, weights=weights)

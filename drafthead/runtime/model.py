@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead import hardware
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import cpu_linear, extension, hugepages, packing
 from drafthead.layers import apply_rope, take_rows, write_kv
 from drafthead.target import base_model, check_layer_ids, decoder_layers
 
@@ -89,25 +89,25 @@ class TargetModel:
         if any(self.moe) and self.device.type == "cpu":
             _say_moe_slow_path(c.model_type)
         self.decode_kernel = bool(kind and (kind == "fp32" or all(d % 2 == 0 for d in dims))
-                                  and cpu_linear.available(kind))
+                                  and extension.available(kind))
         self.kernel = kind if self.decode_kernel else None  # for reports: which kernel runs generated tokens
         # generated tokens' attention, norms, RoPE and SiLU-and-multiply: the fp32 extension's row-invariant ops
         # (fp32 math for fp32 and bf16 tokens, one call each) where they run; else torch's, and SDPA calls of a
         # fixed query count for attention (`attend`)
-        self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and cpu_linear.available("fp32"))
+        self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and extension.available("fp32"))
         # prompts through the decode kernels too (faster than oneDNN at every row count measured, 1-512, on the
         # AVX512-BF16 and AVX2 classes: docs/experiment_log.md, "Figures behind code choices"), except on AMX CPUs,
         # whose oneDNN tiles are built for many rows (not measured against the kernels there). Batched regeneration
         # and batched eval run these same paths; `paths()` says which in their logs.
         self.prompt_kernel = self.decode_ops and hardware.cpu_class() != "AMX"
         self.silu = getattr(c, "hidden_act", None) == "silu"
-        # generated tokens' layers in one call each (`cpu_linear.decode_layer`: the same kernels and ops, the same
+        # generated tokens' layers in one call each (`packing.decode_layer`: the same kernels and ops, the same
         # bits, without the Python and dispatch between them); False runs them op by op (tests compare the two)
         self.fused = self.decode_ops and self.silu
         self._fused: dict[int, object] = {}  # layer index -> its DecodeLayer, or None where a group does not join
         # packed weights by decode group (`decode_groups`), or by one projection where a group does not join
-        self._packed: dict[tuple[nn.Module, ...], cpu_linear.PackedLinear] = {}  # made on first decode use
-        self._pages = cpu_linear.HugePages()  # where they go: 2 MB pages, in the order a forward reads them
+        self._packed: dict[tuple[nn.Module, ...], packing.PackedLinear] = {}  # made on first decode use
+        self._pages = hugepages.HugePages()  # where they go: 2 MB pages, in the order a forward reads them
         self.weights = weights or "fp32"
         if weights is not None and weights != "fp32":
             self._compress(weights)
@@ -132,23 +132,23 @@ class TargetModel:
         if self.kernel != "fp32":
             why = (f"the target is {str(self.dtype).removeprefix('torch.')} on {self.device.type}"
                    if cpu_linear.kind_for(self.dtype) != "fp32" or self.device.type != "cpu"
-                   else f"the fp32 CPU kernel is unavailable ({cpu_linear.unavailable_reason('fp32')})")
+                   else f"the fp32 CPU kernel is unavailable ({extension.unavailable_reason('fp32')})")
             raise ValueError(f"weights={weights} needs an fp32 target on a CPU with the fp32 decode kernel: {why}")
-        done: dict[nn.Module, cpu_linear.PackedLinear] = {}  # tied weights (a shared module) are compressed once
+        done: dict[nn.Module, packing.PackedLinear] = {}  # tied weights (a shared module) are compressed once
         for group in self.decode_groups():
             for proj in group:
                 if proj not in done:
                     stored, scale, effective = cpu_linear.compress(proj.weight, weights)  # from the weight as loaded
-                    done[proj] = cpu_linear.PackedLinear(proj, weights, compressed=(stored, scale))
+                    done[proj] = packing.PackedLinear(proj, weights, compressed=(stored, scale))
                     with torch.no_grad():
                         proj.weight.copy_(effective)
             self._pack_group(group, [done[p] for p in group])
 
-    def _pack_group(self, group: tuple[nn.Module, ...], parts: list[cpu_linear.PackedLinear]) -> None:
-        """Store the group's packed weight: one joined weight where `cpu_linear.concat` can join the parts,
+    def _pack_group(self, group: tuple[nn.Module, ...], parts: list[packing.PackedLinear]) -> None:
+        """Store the group's packed weight: one joined weight where `packing.concat` can join the parts,
         else each part under its own projection."""
-        if len(parts) > 1 and cpu_linear.can_concat(parts):
-            parts = [cpu_linear.concat(parts)]
+        if len(parts) > 1 and packing.can_concat(parts):
+            parts = [packing.concat(parts)]
             self._packed[group] = parts[0]
         else:
             for proj, part in zip(group, parts):
@@ -157,16 +157,16 @@ class TargetModel:
             part.stream = True
             part.packed = self._pages.put(part.packed)
 
-    def packed(self, *group: nn.Module) -> cpu_linear.PackedLinear | None:
+    def packed(self, *group: nn.Module) -> packing.PackedLinear | None:
         """The decode kernel's packed weight for `group` (one projection, or a group of `decode_groups`), made on
         first use; None when the group's parts do not join (then each part has its own)."""
         fast = self._packed.get(group)
         if fast is None and not any((p,) in self._packed for p in group):
-            self._pack_group(group, [cpu_linear.PackedLinear(p) for p in group])
+            self._pack_group(group, [packing.PackedLinear(p) for p in group])
             fast = self._packed.get(group)
         return fast
 
-    def packed_one(self, proj: nn.Module) -> cpu_linear.PackedLinear:
+    def packed_one(self, proj: nn.Module) -> packing.PackedLinear:
         """One projection's packed weight: `packed` of a single projection, which always packs."""
         fast = self.packed(proj)
         assert fast is not None, "a single projection always packs"
@@ -182,7 +182,7 @@ class TargetModel:
         for group in dict.fromkeys(self.decode_groups()):
             joined = self.packed(*group)
             parts = [joined] if joined is not None else [self.packed(p) for p in group]
-            total += sum(cpu_linear.packed_bytes(p) for p in parts)
+            total += sum(packing.packed_bytes(p) for p in parts)
         return total
 
     def paths(self) -> str:
@@ -192,7 +192,7 @@ class TargetModel:
         prompts = (f"the {self.kernel} decode kernel" if self.prompt_kernel
                    else "oneDNN (AMX tiles; not measured against the kernel)")
         return (f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel (row-invariant), "
-                f"packed weights on {cpu_linear.pages()}")
+                f"packed weights on {hugepages.pages()}")
 
     def multiply_adds(self) -> int:
         """Multiply-adds one token takes in the projections and the head (MoE: the router and top-k experts): the
@@ -323,12 +323,12 @@ class TargetModel:
         return h + self.linear(mlp.down_proj, act, prefill)
 
     def fused_layer(self, i: int, layer: nn.Module):
-        """Layer i's one-call decode step (`cpu_linear.decode_layer`), made on first use; None where q/k/v or gate/up
+        """Layer i's one-call decode step (`packing.decode_layer`), made on first use; None where q/k/v or gate/up
         do not join into one packed weight (that layer then runs op by op)."""
         if i not in self._fused:
             a, m = layer.self_attn, layer.mlp
             qkv, gate_up = self.packed(a.q_proj, a.k_proj, a.v_proj), self.packed(m.gate_proj, m.up_proj)
-            self._fused[i] = None if qkv is None or gate_up is None else cpu_linear.decode_layer(
+            self._fused[i] = None if qkv is None or gate_up is None else packing.decode_layer(
                 i, a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim, a.head_dim, a.scaling,
                 layer.input_layernorm, layer.post_attention_layernorm, qkv, self.packed_one(a.o_proj), gate_up,
                 self.packed_one(m.down_proj), getattr(a, "q_norm", None), getattr(a, "k_norm", None), stream=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from drafthead.kernels import cpu_linear
+from drafthead.kernels import cpu_linear, extension
 
 
 def probs(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
@@ -27,7 +27,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim: logits [..., V] -> ids [...]. On CPU through the extension's vector scan (the same
     index as torch.argmax), several times faster than torch's over a vocab-wide row (docs/experiment_log.md,
     "Figures behind code choices"); paid once a greedy step and once per verified node."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and cpu_linear.available("fp32"):
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16) and extension.available("fp32"):
         return cpu_linear.argmax(logits)
     return logits.float().argmax(-1)  # exact widening, same index; torch's CPU argmax over bf16 is the slower path
 

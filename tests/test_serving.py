@@ -1,0 +1,41 @@
+"""The serving record a trained draft carries (trainer/serving.py): the held-out tau of each draft length over its
+measured round cost, the best one chosen, and `drafthead eval` / `bench` running it unless told otherwise. The record
+written by a real training run is checked in tests/test_train.py::test_run_dir_contents."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafthead.eval.models import DEFAULT_LENGTH, draft_length
+from drafthead.trainer import serving
+
+
+def test_simulated_tau_is_the_held_out_chain_by_hand():
+    acc = [0.5, 0.4, 0.2]
+    assert serving.simulated_tau(acc, 1) == pytest.approx(1.5)
+    assert serving.simulated_tau(acc, 2) == pytest.approx(1.5 + 0.5 * 0.4)
+    assert serving.simulated_tau(acc, 3) == pytest.approx(1.7 + 0.5 * 0.4 * 0.2)
+    assert serving.held_out_acc({"eval/acc_0": 0.5, "eval/acc_1": 0.4, "eval/loss": 3.0}) == [0.5, 0.4]
+
+
+def test_the_length_with_the_best_expected_speedup_is_chosen(monkeypatch, tmp_path):
+    # tau 1.5 / 1.7 / 1.74 over costs 1.1 / 1.2 / 1.5: k = 2 gives 1.417, the best
+    monkeypatch.setattr(serving, "round_costs", lambda *a: ("chain", {1: 1.1, 2: 1.2, 3: 1.5}, "X"))
+    rec = serving.choose({"eval/acc_0": 0.5, "eval/acc_1": 0.4, "eval/acc_2": 0.2}, None, tmp_path, [1, 2])
+    assert rec["num_speculative_tokens"] == 2 and rec["expected_speedup"] == pytest.approx(1.7 / 1.2, abs=1e-3)
+    assert rec["by_length"]["3"] == {"tau": 1.74, "cost": 1.5} and rec["mode"] == "chain" and rec["measured_on"] == "X"
+    # without a held-out eval nothing is chosen, and eval's default applies
+    assert "num_speculative_tokens" not in serving.choose({}, None, tmp_path, [1])
+
+
+def test_eval_and_bench_run_the_recorded_length_unless_told(tmp_path):
+    draft = tmp_path / "final"
+    draft.mkdir()
+    meta = {"family": "eagle3", "draft": {}, "target": {}}
+    (draft / "config.json").write_text(json.dumps(meta))
+    assert draft_length(None, str(draft)) == (DEFAULT_LENGTH, "the default")
+    (draft / "config.json").write_text(json.dumps({**meta, "serving": {"num_speculative_tokens": 3}}))
+    assert draft_length(None, str(draft)) == (3, "the draft's serving record")
+    assert draft_length(1, str(draft)) == (1, "given")
+    assert draft_length(None, None) == (DEFAULT_LENGTH, "the default")
