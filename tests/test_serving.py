@@ -39,3 +39,29 @@ def test_eval_and_bench_run_the_recorded_length_unless_told(tmp_path):
     assert draft_length(None, str(draft)) == (3, "the draft's serving record")
     assert draft_length(1, str(draft)) == (1, "given")
     assert draft_length(None, None) == (DEFAULT_LENGTH, "the default")
+
+
+def test_a_failed_timing_costs_the_record_never_the_saved_draft(monkeypatch, tmp_path):
+    """The draft is saved before the timing: an error there is recorded (and said), the run goes on."""
+    from types import SimpleNamespace
+
+    from drafthead.trainer import run
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "config.json").write_text(json.dumps({"family": "eagle3", "draft": {}, "target": {}}))
+    said = []
+    job = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(choose_serving=True)),
+                          d=SimpleNamespace(world=1), log=said.append)
+    target = SimpleNamespace(config=SimpleNamespace(model_type="llama"))
+
+    def boom(*a):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(serving, "choose", boom)
+    run.record_serving(job, target, final, {"eval/acc_0": 0.5}, [1, 2, 3])
+    rec = json.loads((final / "config.json").read_text())["serving"]
+    assert rec == {"why": "timing our runtime failed: RuntimeError: no kernel here"} and "not chosen" in said[0]
+    job.d.world = 2  # several processes: not measured, and the record says so
+    run.record_serving(job, target, final, {"eval/acc_0": 0.5}, [1, 2, 3])
+    assert "one-process runs only" in json.loads((final / "config.json").read_text())["serving"]["why"]

@@ -209,11 +209,15 @@ def record_serving(job: Job, target: Target, final: Path, last_eval: dict, promp
     if not cfg.train.choose_serving:
         rec = {"why": "train.choose_serving=false"}
     elif d.world > 1:
-        rec = {"why": "measured in one-process runs only: choose with drafthead bench"}
+        rec = {"why": "measured in one-process runs only (drafthead eval num_speculative_tokens=K compares lengths)"}
     elif target.config.model_type not in SUPPORTED_MODEL_TYPES or not prompt:
         rec = {"why": "our runtime does not run this target" if prompt else "no held-out data"}
     else:
-        rec = serving.choose(last_eval, target, final, prompt)
+        try:
+            rec = serving.choose(last_eval, target, final, prompt)
+        except Exception as e:  # the draft is saved already: a failed timing costs the record, never the run
+            rec = {"why": f"timing our runtime failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
+            job.log(f"warning: the serving length was not chosen ({rec['why']}); eval's default applies")
     meta = json.loads((final / "config.json").read_text())
     atomic_write_bytes(final / "config.json", (json.dumps({**meta, "serving": rec}, indent=2) + "\n").encode())
     if "num_speculative_tokens" in rec:
