@@ -71,6 +71,12 @@ class DflashTraining:
     overlap_anchors: bool = True
     anchor_chunk: int = 64  # anchors per forward piece: bounds the training memory, the math is the same
 
+    # how the block's slots weigh in the loss: decay = exp(-(k-1)/loss_decay_gamma), fixed; dpace = D-PACE (arXiv
+    # 2605.18810): per block, each slot weighs the expected accepted length it leads to, from the draft's own
+    # probabilities of the target's tokens (detached), as speculators and ModelOpt train DFlash
+    loss_weighting: str = "decay"
+    dpace_alpha: float = 0.5  # D-PACE floor on each slot probability, in (0, 1]; 1: weights that ignore the draft
+
     def check_training(self) -> None:
         if self.block_size < 2:
             raise ValueError(f"block_size: {self.block_size} (must be >= 2: the root and at least one mask slot)")
@@ -78,6 +84,10 @@ class DflashTraining:
             raise ValueError(f"num_anchors: {self.num_anchors} (must be >= 1)")
         if self.anchor_chunk < 1:
             raise ValueError(f"anchor_chunk: {self.anchor_chunk} (must be >= 1)")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting: {self.loss_weighting!r} (choose from {', '.join(LOSS_WEIGHTINGS)})")
+        if not 0 < self.dpace_alpha <= 1:
+            raise ValueError(f"dpace_alpha: {self.dpace_alpha} (must be in (0, 1])")
 
 
 @dataclass
@@ -103,6 +113,7 @@ class DflashOptions(DflashLabels, DflashTraining, DflashBackbone):
 
 
 LABELS = ("soft", "hard")
+LOSS_WEIGHTINGS = ("decay", "dpace")
 INITS = ("target", "random")
 
 
@@ -336,11 +347,12 @@ class DflashDrafter(OwnLayers, nn.Module):
             if b_idx.numel() == 0:
                 continue
             rows = b_idx * T + lab[:, sl][b_idx, a_idx, k_idx] - 1  # teacher row: the target at position lab-1
-            ce, alpha, top = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, k_idx, rows, teacher_probs,
-                                   objective, *[t for kv in ctx_kv for t in kv])  # [M] each (alpha: eval only)
-            w = torch.exp(-k_idx.float() / c.loss_decay_gamma)  # slot k_idx+1: exp(-(k-1)/gamma)
+            labels = tgt[:, sl][b_idx, a_idx, k_idx]  # [M] the target's tokens
+            ce, alpha, top, logp = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, k_idx, rows,
+                                         teacher_probs, objective, labels, *[t for kv in ctx_kv for t in kv])
+            w = slot_weights(c, k_idx, logp, b_idx, a_idx, (B, ok[:, sl].shape[1], K))  # [M]
             weighted, weights = weighted + (ce * w).sum(), weights + w.sum()
-            hit = top == tgt[:, sl][b_idx, a_idx, k_idx]  # [M]
+            hit = top == labels  # [M]
             step_loss.index_add_(0, k_idx, ce.detach().float())
             count.index_add_(0, k_idx, torch.ones_like(ce, dtype=torch.float32))
             correct.index_add_(0, k_idx, hit.float())
@@ -362,11 +374,11 @@ class DflashDrafter(OwnLayers, nn.Module):
 
     def _piece_ce(self, input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, b_idx: torch.Tensor,
                   a_idx: torch.Tensor, k_idx: torch.Tensor, rows: torch.Tensor, teacher_probs: torch.Tensor,
-                  objective: Objective | None, *ctx_flat: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The loss [M], alpha [M] (empty in training) and the draft's argmax [M] of the M supervised slots
-        (b_idx, a_idx, k_idx) of one piece of anchors; rows: the teacher row of each slot in the flattened [B*T]
-        positions."""
+                  objective: Objective | None, labels: torch.Tensor, *ctx_flat: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The loss [M], alpha [M] (empty in training), the draft's argmax [M] and (D-PACE) its log-probability of
+        `labels` [M] (empty otherwise) of the M supervised slots (b_idx, a_idx, k_idx) of one piece of anchors;
+        rows: the teacher row of each slot in the flattened [B*T] positions."""
         c = self.config
         ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
         out = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[:, :, 1:]  # [B, a, K, H] mask slots
@@ -376,7 +388,9 @@ class DflashDrafter(OwnLayers, nn.Module):
         else:
             teach = F.one_hot(input_ids.flatten().index_select(0, rows + 1), c.vocab_size).float()
         loss, alpha = draft_loss(logits, teach, objective, not self.training)
-        return loss, logits.new_zeros(0) if alpha is None else alpha, logits.detach().argmax(-1)
+        logp = (logits.detach().float().log_softmax(-1).gather(1, labels[:, None])[:, 0]
+                if c.loss_weighting == "dpace" else logits.new_zeros(0))  # [M]
+        return loss, logits.new_zeros(0) if alpha is None else alpha, logits.detach().argmax(-1), logp
 
     def anchor_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor | None, anchors: torch.Tensor,
                       valid: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -401,6 +415,30 @@ class DflashDrafter(OwnLayers, nn.Module):
             ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
         out = self.block_hidden(block_ids.flatten(1), pos.flatten(1), ctx_kv, mask[:, None])  # [B, A*Bk, H]
         return out.view(B, A, Bk, -1)
+
+
+def slot_weights(c: DflashConfig, slot: torch.Tensor, logp: torch.Tensor, b_idx: torch.Tensor, a_idx: torch.Tensor,
+                 shape: tuple[int, int, int]) -> torch.Tensor:
+    """The loss weight [M] of each supervised slot (b_idx, a_idx, slot) of blocks shaped [B, A, K] (`loss_weighting`):
+    the fixed decay exp(-slot/gamma) (slot 0 is the first drafted), or D-PACE's from the draft's log-probability
+    `logp` [M] of the target's token there."""
+    if c.loss_weighting == "decay":
+        return torch.exp(-slot.float() / c.loss_decay_gamma)
+    return dpace_weights(logp, b_idx, a_idx, slot, shape, c.dpace_alpha)
+
+
+def dpace_weights(logp: torch.Tensor, b_idx: torch.Tensor, a_idx: torch.Tensor, slot: torch.Tensor,
+                  shape: tuple[int, int, int], alpha: float) -> torch.Tensor:
+    """D-PACE (arXiv 2605.18810, Eq. 7-8): with q_j = (1 - alpha) p_j + alpha (p_j: the draft's probability of the
+    target's token at slot j, detached), C_j = prod_{i<=j} q_i and w_j = sum_{m>=j} C_m over a block's supervised
+    slots. An unsupervised slot counts as 1 in the product and is left out of the sum. -> w [M]."""
+    q = torch.ones(shape, dtype=torch.float32, device=logp.device)  # [B, A, K]
+    held = torch.zeros(shape, dtype=torch.bool, device=logp.device)
+    q[b_idx, a_idx, slot] = (1 - alpha) * logp.detach().float().exp() + alpha
+    held[b_idx, a_idx, slot] = True
+    c = q.cumprod(-1) * held  # [B, A, K]
+    w = c.flip(-1).cumsum(-1).flip(-1)  # [B, A, K] sum over m >= j
+    return w[b_idx, a_idx, slot]
 
 
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int,

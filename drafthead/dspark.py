@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from drafthead.dflash import (BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining, check_built,
-                              eval_summary, sample_anchors, target_layer_ids)
+                              eval_summary, sample_anchors, slot_weights, target_layer_ids)
 from drafthead.family import Family
 from drafthead.losses import Objective
 from drafthead.options import shared
@@ -183,10 +183,10 @@ class DsparkDrafter(DflashDrafter):
             if b_idx.numel() == 0:
                 continue
             pos = lab[:, sl][b_idx, a_idx, j_idx]  # [M] the predicted token's position
-            loss_m, top, conf_err = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, j_idx, pos,
-                                          tgt[:, sl][b_idx, a_idx, j_idx], teacher_probs,
-                                          *[t for kv in ctx_kv for t in kv])  # [M] each
-            w = torch.exp(-j_idx.float() / c.loss_decay_gamma)
+            loss_m, top, conf_err, logp = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, j_idx, pos,
+                                                tgt[:, sl][b_idx, a_idx, j_idx], teacher_probs,
+                                                *[t for kv in ctx_kv for t in kv])  # [M] each
+            w = slot_weights(c, j_idx, logp, b_idx, a_idx, (B, ok[:, sl].shape[1], K))  # [M]
             totals = totals + torch.stack([(loss_m * w).sum(), w.sum()])
             hit = top == tgt[:, sl][b_idx, a_idx, j_idx]
             step_loss.index_add_(0, j_idx, loss_m.detach().float())
@@ -207,9 +207,10 @@ class DsparkDrafter(DflashDrafter):
     def _piece_loss(self, input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, b_idx: torch.Tensor,
                     a_idx: torch.Tensor, j_idx: torch.Tensor, pos: torch.Tensor, tgt: torch.Tensor,
                     teacher_probs: torch.Tensor, *ctx_flat: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Per supervised draft [M]: its loss (CE + TV + BCE, weighted by the options), its argmax, and
-        |confidence - label| (None without a confidence head)."""
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Per supervised draft [M]: its loss (CE + TV + BCE, weighted by the options), its argmax,
+        |confidence - label| (None without a confidence head) and its log-probability of the target's token
+        (detached; D-PACE's weights read it)."""
         c = self.config
         T = input_ids.shape[1]
         ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
@@ -220,14 +221,15 @@ class DsparkDrafter(DflashDrafter):
         p = teacher_probs.flatten(0, 1).index_select(0, b_idx * T + pos - 1)  # [M, V] the target at pos-1
         q = logits.softmax(-1)
         tv = 0.5 * (q - p).abs().sum(-1)  # [M] total variation; 1 - tv = P(a sample of q is accepted)
-        loss = c.ce_weight * F.cross_entropy(logits, tgt, reduction="none") + c.tv_weight * tv
+        ce = F.cross_entropy(logits, tgt, reduction="none")  # [M]
+        loss = c.ce_weight * ce + c.tv_weight * tv
         err = None
         if conf is not None:
             label = (1 - tv).detach().clamp(0, 1)
             loss = loss + c.confidence_weight * F.binary_cross_entropy_with_logits(conf.float(), label,
                                                                                   reduction="none")
             err = (conf.detach().float().sigmoid() - label).abs()
-        return loss, logits.detach().argmax(-1), err
+        return loss, logits.detach().argmax(-1), err, -ce.detach()
 
 
 # ---- inference: the block forward, then the slots left to right -------------------------------------

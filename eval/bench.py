@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from drafthead import options
 from drafthead.io import atomic_write_json
-from drafthead.eval.models import draft_length, load_models, resolve_device
+from drafthead.eval.models import load_models, resolve_device, runtime_settings
 from drafthead.hardware import check_dtype
 from drafthead.eval.datasets import DATASETS, chat_prompt, load_eval_dataset
 from drafthead.eval.report import machine_info
@@ -44,8 +44,8 @@ class BenchConfig:
     # drafts per round: chain length, deepest tree path, n-gram proposal; null: the length the trainer chose for the
     # draft (its config.json "serving"), else 2
     num_speculative_tokens: int | None = None
-    tree_nodes: int = 8  # tree: draft nodes verified per round
-    topk: int = 4  # tree: children expanded per node
+    tree_nodes: int | None = None  # tree: draft nodes verified per round (null: the draft's serving record, else 8)
+    topk: int | None = None  # tree: children expanded per node (null: the draft's serving record, else 4)
     ngram_n: int = 3  # n-gram: match length of the prompt lookup
     prompt_lookup_num_tokens: int = 10  # HF prompt lookup: tokens proposed a step
     block_drafts: list[int] | None = None  # block drafters: how many of the block's B-1 drafts to verify, one row
@@ -68,12 +68,13 @@ class BenchConfig:
 def validate(cfg: BenchConfig) -> None:
     if cfg.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {cfg.dataset!r}; valid: {', '.join(DATASETS)}")
-    for name in ("max_prompts", "max_new_tokens", "tree_nodes", "topk", "ngram_n",
+    for name in ("max_prompts", "max_new_tokens", "ngram_n",
                  "prompt_lookup_num_tokens", "verify_prefix", "verify_repeats"):
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
-    if cfg.num_speculative_tokens is not None and cfg.num_speculative_tokens <= 0:
-        raise ValueError(f"num_speculative_tokens must be > 0, got {cfg.num_speculative_tokens}")
+    for name in ("num_speculative_tokens", "tree_nodes", "topk"):
+        if getattr(cfg, name) is not None and getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
     if not cfg.verify_sizes or min(cfg.verify_sizes) <= 0:
         raise ValueError(f"verify_sizes must be positive token counts, got {cfg.verify_sizes}")
     check_dtype(cfg.dtype)
@@ -345,9 +346,10 @@ def bench_methods(cfg: BenchConfig, target: Any, drafter: Any, generator: Any, d
     prompt lookup, our n-gram, and each mode the draft drafts (chain, chain + n-gram, tree, block at each count)."""
     from drafthead.runtime import SpecConfig
 
-    k = draft_length(cfg.num_speculative_tokens, cfg.draft)[0]
-    base = dict(temperature=0.0, num_speculative_tokens=k, tree_nodes=cfg.tree_nodes,
-                topk=cfg.topk, ngram_n=cfg.ngram_n, batch_size=1)
+    given = {"num_speculative_tokens": cfg.num_speculative_tokens, "tree_nodes": cfg.tree_nodes, "topk": cfg.topk}
+    base = dict(temperature=0.0, **runtime_settings("chain", given, cfg.draft)[0], ngram_n=cfg.ngram_n, batch_size=1)
+    shape = runtime_settings("tree", given, cfg.draft)[0]  # the tree row: the shape the trainer chose, if it did
+    k = base["num_speculative_tokens"]
     methods: dict[str, Callable | str] = {
         "ar (ours)": runtime_method(generator, SpecConfig(mode="ar", **base)),
         "hf generate greedy": hf_method(target.model, device),
@@ -357,13 +359,13 @@ def bench_methods(cfg: BenchConfig, target: Any, drafter: Any, generator: Any, d
             generator, SpecConfig(mode="ngram", **base)),
     }
     chain = f"draft chain k={k} (ours)"
-    tree = f"draft tree depth={k} topk={cfg.topk} nodes={cfg.tree_nodes} (ours)"
+    tree = f"draft tree depth={shape['num_speculative_tokens']} topk={shape['topk']} nodes={shape['tree_nodes']} (ours)"
     modes = drafter.draft_modes if drafter is not None else ()
     why = "skipped: draft=none" if drafter is None else f"skipped: a {drafter.family} draft drafts {', '.join(modes)}"
     methods[chain] = runtime_method(generator, SpecConfig(mode="chain", **base)) if "chain" in modes else why
     methods[chain + " + ngram"] = (runtime_method(generator, SpecConfig(mode="chain", ngram=True, **base))
                                    if "chain" in modes else why)
-    methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **base)) if "tree" in modes else why
+    methods[tree] = runtime_method(generator, SpecConfig(mode="tree", **{**base, **shape})) if "tree" in modes else why
     if "block" in modes:
         for n in block_sizes(cfg, drafter.config.num_draft_tokens):
             methods[f"draft block k={n} (ours)"] = runtime_method(

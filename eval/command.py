@@ -20,7 +20,7 @@ from drafthead.hardware import check_dtype
 from drafthead.runtime.generate import OWN_MODES  # the others are the drafter's (its `draft_modes` table)
 from drafthead.eval.acceptance import generate_runs, warmup
 from drafthead.eval.datasets import DATASETS, load_eval_dataset
-from drafthead.eval.models import draft_length, load_models, resolve_device
+from drafthead.eval.models import load_models, resolve_device, runtime_settings, served
 from drafthead.eval.report import build_report, machine_info, write_report
 
 @dataclass
@@ -35,14 +35,17 @@ class EvalConfig:
     target: str | None = None  # default: the draft's config.json target.name_or_path
     gguf_file: str | None = None  # the .gguf file inside target, when it is a folder or hub id holding several
     heldout: str | None = None  # sharegpt: default <draft>/../heldout.jsonl
-    mode: str | None = None  # default: the draft's first mode (chain; block for DFlash), ngram without
+
+    # default: the mode the trainer chose for the draft (its config.json "serving"), else the draft's first (chain;
+    # block for DFlash); ngram without a draft
+    mode: str | None = None
 
     # drafts per round along one path (chain length, deepest tree path, block slots verified); vLLM's name. Not the
     # depth a draft was trained to (its config's num_draft_tokens). null: the length the trainer chose for the draft
     # (its config.json "serving"), else 2
     num_speculative_tokens: int | None = None
-    tree_nodes: int = 8  # tree: draft nodes verified per round
-    topk: int = 4  # tree: children expanded per node
+    tree_nodes: int | None = None  # tree: draft nodes verified per round (null: the draft's serving record, else 8)
+    topk: int | None = None  # tree: children expanded per node (null: the draft's serving record, else 4)
     adaptive: bool = False  # adaptive draft length (chain: k in [1, num_speculative_tokens]; tree: depth)
     draft_stop_prob: float = 0.0  # chain: end a request's drafts before the first below this draft probability
     ngram: bool = False  # stack prompt lookup (n-gram) with the draft: the longer proposal wins
@@ -97,8 +100,8 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
               ("top_p", cfg.top_p, 0 < cfg.top_p <= 1, "in (0, 1]"),
               ("num_speculative_tokens", cfg.num_speculative_tokens,
                cfg.num_speculative_tokens is None or cfg.num_speculative_tokens >= 1, ">= 1"),
-              ("tree_nodes", cfg.tree_nodes, cfg.tree_nodes >= 1, ">= 1"),
-              ("topk", cfg.topk, cfg.topk >= 1, ">= 1"),
+              ("tree_nodes", cfg.tree_nodes, cfg.tree_nodes is None or cfg.tree_nodes >= 1, ">= 1"),
+              ("topk", cfg.topk, cfg.topk is None or cfg.topk >= 1, ">= 1"),
               ("ngram_n", cfg.ngram_n, cfg.ngram_n >= 1, ">= 1"),
               ("batch_size", cfg.batch_size, cfg.batch_size >= 1, ">= 1")]
     for name, value, ok, rule in checks:
@@ -114,13 +117,20 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
     engines(cfg)
 
 
+def settings_from(cfg: EvalConfig, mode: str) -> str:
+    """Where the draft length and tree shape of this eval come from, in words for the log and the report."""
+    given = {"num_speculative_tokens": cfg.num_speculative_tokens, "tree_nodes": cfg.tree_nodes, "topk": cfg.topk}
+    return runtime_settings(mode, given, cfg.draft)[1]
+
+
 def spec_configs(cfg: EvalConfig, mode: str) -> tuple[Any, Any]:
     """(speculative SpecConfig, the AR SpecConfig of the baseline) from the eval keys."""
     from drafthead.runtime import SpecConfig
 
     names = {f.name for f in dataclasses.fields(SpecConfig)}
     kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in names}
-    kw["num_speculative_tokens"] = draft_length(cfg.num_speculative_tokens, cfg.draft)[0]
+    kw.update(runtime_settings(mode, {k: kw.get(k) for k in ("num_speculative_tokens", "tree_nodes", "topk")},
+                               cfg.draft)[0])
     spec = SpecConfig(**{**kw, "mode": mode})
     return spec, dataclasses.replace(spec, mode="ar")
 
@@ -154,14 +164,15 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                                                     cfg.allow_target_mismatch)
         target_check = target_check or ("same target as the draft's (fingerprint)" if drafter is not None else None)
     if cfg.mode is None and drafter is not None:
-        mode = next(iter(drafter.draft_modes))  # the drafter's default mode
+        chosen = served(cfg.draft).get("mode")  # the trainer's choice, else the drafter's default mode
+        mode = chosen if chosen in drafter.draft_modes else next(iter(drafter.draft_modes))
     if generator is None:
         from drafthead.runtime import SpeculativeGenerator
         generator = SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)
     spec, ar = spec_configs(cfg, mode)
     tok = target.tokenizer
     print(f"runtime: {generator.model.paths()}; {spec.num_speculative_tokens} drafts a round "
-          f"({draft_length(cfg.num_speculative_tokens, cfg.draft)[1]})")
+          f"({settings_from(cfg, mode)})")
 
     specs = {"speculative": spec, "autoregressive": ar}
     runs: dict[str, list] = {"speculative": [], "autoregressive": []}
@@ -182,7 +193,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "dtype": str(target.model.dtype).removeprefix("torch."),
                 "target_check": target_check,
                 "runtime_paths": generator.model.paths(),
-                "num_speculative_tokens_from": draft_length(cfg.num_speculative_tokens, cfg.draft)[1],
+                "runtime_settings_from": settings_from(cfg, mode),
                 "machine": machine_info(device)}
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
                           num_prompts=len(samples)) if "ours" in use else \

@@ -7,20 +7,34 @@ from typing import Any
 import torch
 
 
-DEFAULT_LENGTH = 2  # drafts a round when neither the command nor the draft's "serving" record names one
+# the runtime settings when neither the command nor the draft's "serving" record names them
+DEFAULTS = {"num_speculative_tokens": 2, "tree_nodes": 8, "topk": 4}
 
 
-def draft_length(given: int | None, draft: str | None) -> tuple[int, str]:
-    """The draft length to run and where it comes from: the command's `num_speculative_tokens`, else the one the
-    trainer chose for the draft (final/config.json "serving", trainer/serving.py), else DEFAULT_LENGTH."""
+def served(draft: str | None) -> dict[str, Any]:
+    """The settings the trainer chose for the draft (final/config.json "serving", trainer/serving.py), {} if none."""
     from drafthead.registry import read_draft_config
 
-    if given is not None:
-        return given, "given"
     rec = read_draft_config(draft).get("serving", {}) if draft else {}
-    if "num_speculative_tokens" in rec:
-        return int(rec["num_speculative_tokens"]), "the draft's serving record"
-    return DEFAULT_LENGTH, "the default"
+    return rec if "num_speculative_tokens" in rec else {}
+
+
+def runtime_settings(mode: str, given: dict[str, int | None], draft: str | None) -> tuple[dict[str, int], str]:
+    """The draft length and tree shape to run `mode` with, and where they come from: each given value, else the
+    draft's serving record where it was chosen for this mode (a chain also takes the chain length a tree-serving
+    draft recorded), else DEFAULTS."""
+    rec = served(draft)
+    if rec.get("mode") == mode:
+        chosen = {k: int(rec[k]) for k in DEFAULTS if k in rec}
+    elif mode == "chain" and "chain_length" in rec:
+        chosen = {"num_speculative_tokens": int(rec["chain_length"])}
+    else:
+        chosen = {}
+    out = {k: given[k] if given.get(k) is not None else chosen.get(k, DEFAULTS[k]) for k in DEFAULTS}
+    used = [k for k in DEFAULTS if given.get(k) is None and k in chosen]
+    source = "the draft's serving record" if used else "given" if all(given.get(k) is not None for k in DEFAULTS) \
+        else "the command and the defaults"
+    return out, source
 
 
 def resolve_device(device: str) -> str:

@@ -203,7 +203,7 @@ def tiny_args(run: Path, target: Path, data: Path, **over) -> list[str]:
           "data.max_length": 96, "drafter.eagle3.draft_vocab_size": 128, "capture.layer_ids": "[1,2,3]",
           "train.batch_size": 2, "train.dtype": "float32", "train.eval_every": 0, "train.save_every": 0,
           "budget.probe_samples": 16, "logging.wandb": "false", "logging.progress": "false", "output_dir": run,
-          **over}
+          "train.choose_serving": "false", **over}
     return [f"{k}={v}" for k, v in kv.items()]
 
 

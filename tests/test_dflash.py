@@ -127,10 +127,11 @@ def test_anchors_are_supervised_distinct_and_capped(overlap):
     assert v.sum(1).tolist()[:2] == [3, 3]  # num_anchors caps them
 
 
-@pytest.mark.parametrize("labels", ["soft", "hard"])
-def test_anchor_pieces_give_the_loss_and_gradients_of_one_forward(qwen3, labels):
+@pytest.mark.parametrize("labels, weighting", [("soft", "decay"), ("hard", "decay"), ("soft", "dpace")])
+def test_anchor_pieces_give_the_loss_and_gradients_of_one_forward(qwen3, labels, weighting):
     """anchor_chunk only bounds memory: pieces of 3 anchors (recomputed in the backward) give the loss, the
-    metrics and the gradients of every anchor in one piece."""
+    metrics and the gradients of every anchor in one piece (D-PACE's weights are per block, and a block is never
+    split between pieces)."""
     from dataclasses import replace
 
     from drafthead.target import TargetHead
@@ -148,7 +149,7 @@ def test_anchor_pieces_give_the_loss_and_gradients_of_one_forward(qwen3, labels)
     runs = []
     for chunk in (64, 3):
         d = make_drafter(qwen3, block_size=4)
-        d.config = replace(d.config, anchor_chunk=chunk, labels=labels)
+        d.config = replace(d.config, anchor_chunk=chunk, labels=labels, loss_weighting=weighting)
         d.train()
         torch.manual_seed(7)  # the same anchors
         out = d(ids, feats, probs, argmax, mask)
@@ -211,9 +212,33 @@ def test_layer_id_conventions_per_engine(qwen3, tiny_qwen3_dir, tmp_path):
     assert c.target_layer_ids == [0, 2]
 
 
+def test_dpace_weights_by_hand():
+    """D-PACE's Eq. 7-8 on one block of three slots, alpha 0.5: p = 0.6 / 0.2 / 0.5 gives q = 0.8 / 0.6 / 0.75,
+    C = 0.8 / 0.48 / 0.36 and w = 1.64 / 0.84 / 0.36; with slot 1 unsupervised it counts as 1 in the product and is
+    left out of the sum: C = 0.8 / - / 0.6, w = 1.4 / - / 0.6."""
+    import math
+
+    from drafthead.dflash import dpace_weights
+
+    logp = torch.tensor([0.6, 0.2, 0.5]).log()
+    zero, slots = torch.zeros(3, dtype=torch.long), torch.arange(3)
+    torch.testing.assert_close(dpace_weights(logp, zero, zero, slots, (1, 1, 3), 0.5), torch.tensor([1.64, 0.84, 0.36]))
+    two = torch.tensor([0, 2])
+    got = dpace_weights(logp[two], zero[:2], zero[:2], two, (1, 1, 3), 0.5)
+    torch.testing.assert_close(got, torch.tensor([1.4, 0.6]))
+    # alpha 1: the draft's probabilities drop out; slot j weighs the supervised slots from j on
+    torch.testing.assert_close(dpace_weights(logp, zero, zero, slots, (1, 1, 3), 1.0), torch.tensor([3.0, 2.0, 1.0]))
+    assert math.isclose(float(dpace_weights(torch.zeros(1), zero[:1], zero[:1], slots[:1], (1, 1, 3), 0.3)), 1.0)
+
+
 def test_bad_mask_token_and_layers_are_named_errors(qwen3):
     with pytest.raises(ValueError, match="mask_token_id: required"):
         DflashOptions().validate()
+    for alpha in (0.0, 1.5):
+        with pytest.raises(ValueError, match=rf"dpace_alpha: {alpha} \(must be in \(0, 1\]\)"):
+            DflashOptions(mask_token_id=2, loss_weighting="dpace", dpace_alpha=alpha).validate()
+    with pytest.raises(ValueError, match=r"loss_weighting: 'dpac' \(choose from decay, dpace\)"):
+        DflashOptions(mask_token_id=2, loss_weighting="dpac").validate()
     with pytest.raises(ValueError, match=r"num_anchors: 0 \(must be >= 1\)"):
         DflashOptions(mask_token_id=2, num_anchors=0).validate()
     with pytest.raises(ValueError, match=r"anchor_chunk: 0 \(must be >= 1\)"):

@@ -173,6 +173,22 @@ def test_warm_start_from_dflash_computes_the_dflash_draft(qwen3, tiny_qwen3_dir,
         warm_start(d, str(spark))
 
 
+def test_dpace_weighting_trains_dspark_too(qwen3):
+    """`loss_weighting=dpace` reaches DSpark (its drafts include the anchor's slot): a finite loss unlike the
+    decay's, gradients on the backbone and heads, the same metrics."""
+    ids, mask, teacher, argmax = batch(qwen3)
+    outs = []
+    for weighting in ("decay", "dpace"):
+        d = make_drafter(qwen3, loss_weighting=weighting).train()
+        torch.manual_seed(5)
+        out = d(ids, capture(qwen3.model, ids, None, d.capture_layer_ids())[0], teacher, argmax, mask)
+        out["loss"].backward()
+        assert torch.isfinite(out["loss"]) and d.markov_head.markov_w1.weight.grad is not None
+        outs.append(out)
+    assert not torch.isclose(outs[0]["loss"], outs[1]["loss"])
+    assert torch.equal(outs[0]["correct"], outs[1]["correct"]) and torch.equal(outs[0]["count"], outs[1]["count"])
+
+
 def test_bad_options_are_named(qwen3):
     with pytest.raises(ConfigError, match=r"drafter\.dspark\.markov_rank': 0 \(must be >= 1\)"):
         load_config(["drafter.family=dspark", "drafter.dspark.mask_token_id=2", "drafter.dspark.markov_rank=0"])

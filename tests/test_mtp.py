@@ -438,7 +438,7 @@ def train_args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]
           "train.grad_accum": 1, "train.max_steps": 4, "train.save_every": 0, "train.eval_every": 0,
           "train.lr": 1e-3, "train.dtype": "float32", "train.deepspeed": "null", "logging.wandb": "false",
           "logging.progress": "false", "logging.log_every": 1, "budget.minutes": "null",
-          "output_dir": run_dir, **over}
+          "train.choose_serving": "false", "output_dir": run_dir, **over}
     return [f"{k}={v}" for k, v in kv.items()]
 
 

@@ -47,7 +47,7 @@ def args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]:
           "train.eval_every": 0, "train.eval_samples": "null", "train.lr": 1e-3, "train.warmup_ratio": 0.02,
           "train.min_lr_ratio": 0.0, "train.dtype": "float32", "train.deepspeed": "null",
           "logging.wandb": "false", "logging.progress": "false", "logging.log_every": 1, "budget.minutes": "null",
-          "output_dir": run_dir, **over}
+          "train.choose_serving": "false", "output_dir": run_dir, **over}  # the serving timing: full_run's only
     return [f"{k}={v}" for k, v in kv.items()]
 
 
@@ -71,13 +71,16 @@ def assert_same_weights(a: Path, b: Path, atol: float = 0.0) -> None:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
+SERVING = {"train.choose_serving": "true"}  # the one tiny run that times the runtime after its save
+
+
 @pytest.fixture(scope="module")
 def full_run(tiny_llama_dir, tiny_sharegpt, tmp_path_factory) -> Path:
     """6 steps in one go (module-scoped: test (a) compares against it, test (b) inspects it)."""
     run = tmp_path_factory.mktemp("full") / "run"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DRAFTHEAD_CACHE", str(run.parent / "cache"))
-        assert train.main(args(run, tiny_llama_dir, tiny_sharegpt)) == run / "final"
+        assert train.main(args(run, tiny_llama_dir, tiny_sharegpt, **SERVING)) == run / "final"
     return run
 
 
@@ -109,7 +112,7 @@ def test_run_dir_contents(full_run, tiny_llama_dir, tiny_sharegpt):
     # the resolved recipe, loadable again
     cfg = load_config([f"recipe={full_run / 'config.yaml'}"])
     assert cfg.train.max_steps == 6 and cfg.recipe == "eagle3_smollm2" and cfg.capture.layer_ids == [1, 2, 3]
-    assert cfg == load_config(args(full_run, tiny_llama_dir, Path(cfg.data.dataset)))
+    assert cfg == load_config(args(full_run, tiny_llama_dir, Path(cfg.data.dataset), **SERVING))
     assert cfg.target.name_or_path == str(tiny_llama_dir) and cfg.output_dir == str(full_run)
 
     rows = metrics(full_run)
@@ -142,10 +145,16 @@ def test_run_dir_contents(full_run, tiny_llama_dir, tiny_sharegpt):
     assert meta["train"]["steps"] == 6 and "eval/acc_0" in meta["train"]
     # the serving record: the draft length with the best held-out tau over its measured round cost, k <= depth 3
     serving = meta["serving"]
-    assert serving["mode"] == "chain" and set(serving["by_length"]) == {"1", "2", "3"}
+    assert set(serving["by_length"]) == {"1", "2", "3"} and set(serving["tree_trial"]) == {"chain", "tree 2x4",
+                                                                                            "tree 4x8"}
     best = max(serving["by_length"].items(), key=lambda kv: (kv[1]["tau"] / kv[1]["cost"], -int(kv[0])))
-    assert serving["num_speculative_tokens"] == int(best[0]) and all(
+    assert serving["chain_length"] == int(best[0]) and all(
         v["cost"] > 0 and 1 <= v["tau"] <= 1 + int(k) for k, v in serving["by_length"].items())
+    tree = max((n for n in serving["tree_trial"] if n != "chain"), key=serving["tree_trial"].get)
+    if serving["tree_trial"][tree] > serving["tree_trial"]["chain"]:  # a tree measured faster: it is served
+        assert serving["mode"] == "tree" and f"tree {serving['topk']}x{serving['tree_nodes']}" == tree
+    else:
+        assert serving["mode"] == "chain" and serving["num_speculative_tokens"] == int(best[0])
     draft = load_draft(full_run / "final", embed_weight=target.model.get_input_embeddings().weight)
     ck = weights(ckpts[1])
     assert "embed_tokens.weight" not in ck  # the target's tensors: neither checkpoints nor final/ store them
@@ -402,12 +411,13 @@ def test_deepspeed_two_processes(stage, ddp_run, tiny_llama_dir, tiny_sharegpt, 
 def train_real_smollm2(tmp_path: Path, recipe: str, steps: int, plan: bool = False
                        ) -> tuple[Path, subprocess.CompletedProcess]:
     """`train.py recipe=RECIPE` on 16 real conversations for `steps` steps; asserts it finished and saved. The
-    recipe's time budget measures the machine (about a minute on 2 cores) only where `plan` asks for it: one smoke
-    covers the planner on the real target, the others their family's path."""
+    recipe's time budget measures the machine (about a minute on 2 cores), and the serving length is timed after
+    the save, only where `plan` asks for them: one smoke covers both on the real target, the others their family's
+    path."""
     run = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), f"recipe={recipe}", "data.max_samples=16",
            f"train.max_steps={steps}", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
-           "train.eval_samples=8", *([] if plan else ["budget.minutes=null"])]
+           "train.eval_samples=8", *([] if plan else ["budget.minutes=null", "train.choose_serving=false"])]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                        env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
@@ -434,6 +444,10 @@ def test_real_smollm2_recipe_smoke(tmp_path):
     rows = [r for r in metrics(run) if "loss" in r]
     assert rows[-1]["step"] == 4 and all(r["loss"] > 0 for r in rows)
     assert len(read_jsonl(run / "heldout.jsonl")) == recipe.data.num_holdout
+    serving = meta["serving"]  # timed on the real target: a length up to the trained depth, and the tree trial
+    assert 1 <= serving["chain_length"] <= recipe.drafter.eagle3.num_draft_tokens
+    assert serving["mode"] in ("chain", "tree")
+    assert set(serving["tree_trial"]) == {"chain", "tree 2x4", "tree 4x8"} and "serving: mode=" in p.stdout
 
 
 @pytest.mark.slow

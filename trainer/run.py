@@ -195,26 +195,28 @@ def train(job: Job) -> Path:
     logger.close()
 
     # --- final draft -----------------------------------------------------------------------------
-    prompt = feats.eval_batches[0]["input_ids"][0, :64].tolist() if feats.eval_batches else []
-    return finish(job, engine, target, plan, step, total_steps, state, last_eval, budget_rec, prompt)
+    return finish(job, engine, target, plan, step, total_steps, state, last_eval, budget_rec,
+                  feats.eval_batches or [])
 
 
-def record_serving(job: Job, target: Target, final: Path, last_eval: dict, prompt: list[int]) -> None:
+def record_serving(job: Job, target: Target, final: Path, last_eval: dict, heldout: list[dict[str, torch.Tensor]]
+                   ) -> None:
     """Add the "serving" record (trainer/serving.py) to final/config.json; a run where it cannot be measured here
     records why, and eval's defaults then apply."""
     from drafthead.runtime.model import SUPPORTED_MODEL_TYPES
     from drafthead.trainer import serving
 
     cfg, d = job.cfg, job.d
+    prompts = serving.held_out_prompts(heldout)
     if not cfg.train.choose_serving:
         rec = {"why": "train.choose_serving=false"}
     elif d.world > 1:
         rec = {"why": "measured in one-process runs only (drafthead eval num_speculative_tokens=K compares lengths)"}
-    elif target.config.model_type not in SUPPORTED_MODEL_TYPES or not prompt:
-        rec = {"why": "our runtime does not run this target" if prompt else "no held-out data"}
+    elif target.config.model_type not in SUPPORTED_MODEL_TYPES or not prompts:
+        rec = {"why": "our runtime does not run this target" if prompts else "no held-out prompt"}
     else:
         try:
-            rec = serving.choose(last_eval, target, final, prompt)
+            rec = serving.choose(last_eval, target, final, prompts)
         except Exception as e:  # the draft is saved already: a failed timing costs the record, never the run
             rec = {"why": f"timing our runtime failed: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
             job.log(f"warning: the serving length was not chosen ({rec['why']}); eval's default applies")
@@ -222,8 +224,10 @@ def record_serving(job: Job, target: Target, final: Path, last_eval: dict, promp
     atomic_write_bytes(final / "config.json", (json.dumps({**meta, "serving": rec}, indent=2) + "\n").encode())
     if "num_speculative_tokens" in rec:
         by = ", ".join(f"k={k}: tau {v['tau']:.2f} / cost {v['cost']:.2f}" for k, v in rec["by_length"].items())
-        job.log(f"serving: num_speculative_tokens={rec['num_speculative_tokens']} ({by}; measured on "
-                f"{rec['measured_on']})")
+        trial = ", ".join(f"{n} {v:.2f}x" for n, v in rec.get("tree_trial", {}).items())
+        shape = f" topk={rec['topk']} tree_nodes={rec['tree_nodes']}" if rec["mode"] == "tree" else ""
+        job.log(f"serving: mode={rec['mode']} num_speculative_tokens={rec['num_speculative_tokens']}{shape} ({by}"
+                f"{'; held-out prompts: ' + trial if trial else ''}; measured on {rec['measured_on']})")
 
 
 def features(job: Job, target: Target, prep: Prepared, layer_ids: list[int], store_argmax: bool) -> Features:
@@ -393,7 +397,7 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
 
 
 def finish(job: Job, engine: Any, target: Target, plan: Plan | None, step: int, total_steps: int, state: dict,
-           last_eval: dict, budget_rec: dict, prompt: list[int]) -> Path:
+           last_eval: dict, budget_rec: dict, heldout: list[dict[str, torch.Tensor]]) -> Path:
     """Save the final draft when the run reached its last step, with the settings to serve it with (else say how
     to resume)."""
     cfg, d = job.cfg, job.d
@@ -405,7 +409,7 @@ def finish(job: Job, engine: Any, target: Target, plan: Plan | None, step: int, 
                            extra={"train": {"steps": step, "tokens_seen": state["tokens_seen"] * d.dp,
                                             "recipe": cfg.recipe, "wall_s": round(job.elapsed(), 1), **last_eval},
                                   "budget": budget_rec})
-                record_serving(job, target, final, last_eval, prompt)
+                record_serving(job, target, final, last_eval, heldout)
         job.log(f"\ndraft saved to {final}\nnext: drafthead eval draft={final} dataset=mt_bench max_prompts=10")
     else:
         job.log(f"\nstopped at step {step} of {total_steps}; run the same command again to resume")

@@ -6,8 +6,12 @@ Expected speedup at k drafts a round = tau(k) / cost(k): tau(k) = 1 + sum_{i<k} 
 simulated acceptance, the trainer's `eval/sim_accept_len` cut at k), cost(k) = the time of a round drafting k and
 verifying k + 1 over the time of one autoregressive step, both measured with our runtime on a held-out prompt (the
 acceptance of that decode does not enter: a round's cost does not depend on what it accepts). Only the depths the
-held-out eval scored (k <= the trained depth) are candidates. Tree shapes are not chosen: a tree's acceptance is not
-simulated from acc_k, so eval's tree defaults apply.
+held-out eval scored (k <= the trained depth) are candidates.
+
+A family that drafts trees too (EAGLE3, MTP) then has its tree shapes tried against that chain: a tree's acceptance
+is not simulated from acc_k, so each shape (TREE_SHAPES, at the trained depth) and the chosen chain decode the same
+held-out prompts, taking turns with our AR loop, and the tree is recorded only when its measured tokens/s beats the
+chain's.
 """
 from __future__ import annotations
 
@@ -20,6 +24,23 @@ import torch
 
 NEW_TOKENS = 24  # tokens a timing decode generates: enough rounds for a median, seconds on a CPU
 REPEATS = 3  # timings per setting (the median is kept)
+TREE_SHAPES = ((2, 4), (4, 8))  # (topk, tree_nodes) a tree-drafting family tries against its chain
+TREE_TOKENS = 32  # tokens each held-out prompt decodes in the tree trial
+
+
+def held_out_prompts(batches: list[dict[str, torch.Tensor]], n: int = 4, most: int = 256) -> list[list[int]]:
+    """Up to n held-out prompts: each held-out conversation up to its first trained (assistant) token, at most
+    `most` tokens: what a user's request looks like to the draft."""
+    out: list[list[int]] = []
+    for batch in batches:
+        for ids, mask in zip(batch["input_ids"], batch["loss_mask"]):
+            on = mask.nonzero()
+            end = int(on[0]) if len(on) else int(mask.numel())
+            if end > 0:
+                out.append(ids[: min(end, most)].tolist())
+            if len(out) == n:
+                return out
+    return out
 
 
 def simulated_tau(acc: list[float], k: int) -> float:
@@ -39,19 +60,24 @@ def held_out_acc(last_eval: dict[str, float]) -> list[float]:
     return acc
 
 
-def round_costs(target: Any, final: Path, prompt: list[int], ks: list[int]) -> tuple[str, dict[int, float], str]:
-    """(mode, {k: a round's time / one AR step's}, where) of the saved draft at `final` on `target`, with our
-    runtime; `where` is the CPU class or the GPU's name."""
+def runtime_for(target: Any, final: Path) -> tuple[Any, Any, str]:
+    """(the saved draft at `final` loaded on `target`, our runtime over both, where it runs: the CPU class or the
+    GPU's name)."""
     from drafthead import hardware
     from drafthead.registry import load_draft
-    from drafthead.runtime import SpecConfig, SpeculativeGenerator
+    from drafthead.runtime import SpeculativeGenerator
     from drafthead.target import lm_head_weight
 
     weight = target.model.get_input_embeddings().weight
     drafter = load_draft(final, embed_weight=weight, device=weight.device, head_weight=lm_head_weight(target.model),
                          target=target.model).to(weight.dtype)
-    mode = next(iter(drafter.draft_modes))
-    gen = SpeculativeGenerator(target, drafter, device=weight.device)
+    where = hardware.cpu_class() if weight.device.type == "cpu" else torch.cuda.get_device_name(weight.device)
+    return drafter, SpeculativeGenerator(target, drafter, device=weight.device), where
+
+
+def round_costs(gen: Any, mode: str, prompt: list[int], ks: list[int]) -> dict[int, float]:
+    """{k: a round's time at k drafts / one AR step's} with our runtime `gen`, on `prompt`."""
+    from drafthead.runtime import SpecConfig
 
     def timed(spec: Any, new_tokens: int) -> tuple[float, int]:
         """Median seconds of a decode and its verify rounds after the prefill."""
@@ -70,20 +96,52 @@ def round_costs(target: Any, final: Path, prompt: list[int], ks: list[int]) -> t
     timed(SpecConfig(mode="ar"), NEW_TOKENS)  # warm-up: packed weights, kernels
     prefill = timed(SpecConfig(mode="ar"), 1)[0]
     ar = per_round(SpecConfig(mode="ar"))
-    where = hardware.cpu_class() if weight.device.type == "cpu" else torch.cuda.get_device_name(weight.device)
-    return mode, {k: per_round(SpecConfig(mode=mode, num_speculative_tokens=k)) / ar for k in ks}, where
+    return {k: per_round(SpecConfig(mode=mode, num_speculative_tokens=k)) / ar for k in ks}
 
 
-def choose(last_eval: dict[str, float], target: Any, final: Path, prompt: list[int]) -> dict:
-    """The "serving" record: the chosen draft length, and the held-out tau and measured cost of each candidate."""
+def tree_trial(gen: Any, prompts: list[list[int]], k: int, depth: int) -> dict[str, float]:
+    """Tokens/s over our AR loop's of the chain at k and of each tree shape at `depth`, on the same prompts, every
+    setting decoding each prompt in turn (so a drift of the machine falls on all of them alike)."""
+    from drafthead.runtime import SpecConfig
+
+    specs = {"ar": SpecConfig(mode="ar"), "chain": SpecConfig(mode="chain", num_speculative_tokens=k)}
+    specs.update({f"tree {topk}x{nodes}": SpecConfig(mode="tree", num_speculative_tokens=depth, topk=topk,
+                                                     tree_nodes=nodes) for topk, nodes in TREE_SHAPES})
+    tokens = dict.fromkeys(specs, 0)
+    seconds = dict.fromkeys(specs, 0.0)
+    for prompt in prompts:
+        for name, spec in specs.items():
+            t0 = time.perf_counter()
+            (r,) = gen.generate([prompt], TREE_TOKENS, spec)
+            seconds[name] += time.perf_counter() - t0
+            tokens[name] += len(r.tokens)
+    rate = {n: tokens[n] / max(seconds[n], 1e-9) for n in specs}
+    return {n: rate[n] / rate["ar"] for n in specs if n != "ar"}
+
+
+def choose(last_eval: dict[str, float], target: Any, final: Path, prompts: list[list[int]]) -> dict:
+    """The "serving" record: the chosen draft length (and tree shape, where a tree measured faster), with the
+    held-out tau and measured cost of each length and the tree trial's speedups."""
     acc = held_out_acc(last_eval)
     if not acc:
         return {"why": "no held-out eval ran (data.heldout_fraction = 0): eval's defaults apply"}
     ks = list(range(1, len(acc) + 1))
-    mode, cost, where = round_costs(target, final, prompt, ks)
+    drafter, gen, where = runtime_for(target, final)
+    mode = next(iter(drafter.draft_modes))
+    cost = round_costs(gen, mode, prompts[0], ks)
     speedup = {k: simulated_tau(acc, k) / cost[k] for k in ks}
     best = max(ks, key=lambda k: (speedup[k], -k))
-    return {"mode": mode, "num_speculative_tokens": best, "expected_speedup": round(speedup[best], 3),
-            "by_length": {str(k): {"tau": round(simulated_tau(acc, k), 3), "cost": round(cost[k], 3)} for k in ks},
-            "measured_on": where,
-            "why": "held-out tau(k) / measured round cost(k), k up to the trained depth (trainer/serving.py)"}
+    rec: dict[str, Any] = {
+        "mode": mode, "num_speculative_tokens": best, "chain_length": best, "expected_speedup": round(speedup[best], 3),
+        "by_length": {str(k): {"tau": round(simulated_tau(acc, k), 3), "cost": round(cost[k], 3)} for k in ks},
+        "measured_on": where,
+        "why": "held-out tau(k) / measured round cost(k), k up to the trained depth (trainer/serving.py)"}
+    if mode == "chain" and "tree" in drafter.draft_modes:
+        trial = tree_trial(gen, prompts, best, len(acc))
+        rec["tree_trial"] = {n: round(v, 3) for n, v in trial.items()}
+        tree = max((n for n in trial if n.startswith("tree")), key=lambda n: trial[n])
+        if trial[tree] > trial["chain"]:
+            topk, nodes = (int(x) for x in tree.split()[1].split("x"))
+            rec.update(mode="tree", num_speculative_tokens=len(acc), topk=topk, tree_nodes=nodes,
+                       why=rec["why"] + "; a tree measured faster than that chain on held-out prompts")
+    return rec
