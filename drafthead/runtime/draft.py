@@ -351,7 +351,6 @@ def select_nodes(roots: torch.Tensor, tok: torch.Tensor, score: torch.Tensor, pa
     return Proposal(tokens, parents, 1 + valid.sum(1), kept_depth.amax(1), None, False)
 
 
-
 def _declared(r: DraftRunner, m: ModuleChainRunner) -> tuple[ChainState, TreeState, ChainState]:
     """Never called: mypy holds each shared runner to the protocols of the modes it drafts in."""
     return r, r, m
