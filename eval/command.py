@@ -117,22 +117,17 @@ def validate(cfg: EvalConfig, models_given: bool = False, has_draft: bool | None
     engines(cfg)
 
 
-def settings_from(cfg: EvalConfig, mode: str) -> str:
-    """Where the draft length and tree shape of this eval come from, in words for the log and the report."""
-    given = {"num_speculative_tokens": cfg.num_speculative_tokens, "tree_nodes": cfg.tree_nodes, "topk": cfg.topk}
-    return runtime_settings(mode, given, cfg.draft)[1]
-
-
-def spec_configs(cfg: EvalConfig, mode: str) -> tuple[Any, Any]:
-    """(speculative SpecConfig, the AR SpecConfig of the baseline) from the eval keys."""
+def spec_configs(cfg: EvalConfig, mode: str) -> tuple[Any, Any, str]:
+    """(speculative SpecConfig, the AR SpecConfig of the baseline, where the draft length and tree shape come from)
+    from the eval keys and the draft's serving record."""
     from drafthead.runtime import SpecConfig
 
     names = {f.name for f in dataclasses.fields(SpecConfig)}
     kw = {k: v for k, v in dataclasses.asdict(cfg).items() if k in names}
-    kw.update(runtime_settings(mode, {k: kw.get(k) for k in ("num_speculative_tokens", "tree_nodes", "topk")},
-                               cfg.draft)[0])
-    spec = SpecConfig(**{**kw, "mode": mode})
-    return spec, dataclasses.replace(spec, mode="ar")
+    settings, source = runtime_settings(mode, {k: kw.get(k) for k in ("num_speculative_tokens", "tree_nodes", "topk")},
+                                        cfg.draft)
+    spec = SpecConfig(**{**kw, **settings, "mode": mode})
+    return spec, dataclasses.replace(spec, mode="ar"), source
 
 
 def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator: Any = None) -> dict:
@@ -169,10 +164,9 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
     if generator is None:
         from drafthead.runtime import SpeculativeGenerator
         generator = SpeculativeGenerator(target, drafter, device=device, weights=cfg.weights)
-    spec, ar = spec_configs(cfg, mode)
+    spec, ar, source = spec_configs(cfg, mode)
     tok = target.tokenizer
-    print(f"runtime: {generator.model.paths()}; {spec.num_speculative_tokens} drafts a round "
-          f"({settings_from(cfg, mode)})")
+    print(f"runtime: {generator.model.paths()}; {spec.num_speculative_tokens} drafts a round ({source})")
 
     specs = {"speculative": spec, "autoregressive": ar}
     runs: dict[str, list] = {"speculative": [], "autoregressive": []}
@@ -193,7 +187,7 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "dtype": str(target.model.dtype).removeprefix("torch."),
                 "target_check": target_check,
                 "runtime_paths": generator.model.paths(),
-                "runtime_settings_from": settings_from(cfg, mode),
+                "runtime_settings_from": source,
                 "machine": machine_info(device)}
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
                           num_prompts=len(samples)) if "ours" in use else \

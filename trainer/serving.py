@@ -22,9 +22,12 @@ from typing import Any
 
 import torch
 
+from drafthead.trainer.step import simulated_tau
+
 NEW_TOKENS = 24  # tokens a timing decode generates: enough rounds for a median, seconds on a CPU
 REPEATS = 3  # timings per setting (the median is kept)
-TREE_SHAPES = ((2, 4), (4, 8))  # (topk, tree_nodes) a tree-drafting family tries against its chain
+# the tree shapes a tree-drafting family tries against its chain: name -> (topk, tree_nodes)
+TREE_SHAPES = {f"tree {topk}x{nodes}": (topk, nodes) for topk, nodes in ((2, 4), (4, 8))}
 TREE_TOKENS = 32  # tokens each held-out prompt decodes in the tree trial
 
 
@@ -41,15 +44,6 @@ def held_out_prompts(batches: list[dict[str, torch.Tensor]], n: int = 4, most: i
             if len(out) == n:
                 return out
     return out
-
-
-def simulated_tau(acc: list[float], k: int) -> float:
-    """1 + sum_{i<k} prod_{j<=i} acc_j: the accepted length a chain of k drafts reaches on the held-out data."""
-    tau, prod = 1.0, 1.0
-    for a in acc[:k]:
-        prod *= a
-        tau += prod
-    return tau
 
 
 def held_out_acc(last_eval: dict[str, float]) -> list[float]:
@@ -105,8 +99,8 @@ def tree_trial(gen: Any, prompts: list[list[int]], k: int, depth: int) -> dict[s
     from drafthead.runtime import SpecConfig
 
     specs = {"ar": SpecConfig(mode="ar"), "chain": SpecConfig(mode="chain", num_speculative_tokens=k)}
-    specs.update({f"tree {topk}x{nodes}": SpecConfig(mode="tree", num_speculative_tokens=depth, topk=topk,
-                                                     tree_nodes=nodes) for topk, nodes in TREE_SHAPES})
+    specs.update({name: SpecConfig(mode="tree", num_speculative_tokens=depth, topk=topk, tree_nodes=nodes)
+                  for name, (topk, nodes) in TREE_SHAPES.items()})
     tokens = dict.fromkeys(specs, 0)
     seconds = dict.fromkeys(specs, 0.0)
     for prompt in prompts:
@@ -139,9 +133,9 @@ def choose(last_eval: dict[str, float], target: Any, final: Path, prompts: list[
     if mode == "chain" and "tree" in drafter.draft_modes:
         trial = tree_trial(gen, prompts, best, len(acc))
         rec["tree_trial"] = {n: round(v, 3) for n, v in trial.items()}
-        tree = max((n for n in trial if n.startswith("tree")), key=lambda n: trial[n])
+        tree = max(TREE_SHAPES, key=lambda n: trial[n])
         if trial[tree] > trial["chain"]:
-            topk, nodes = (int(x) for x in tree.split()[1].split("x"))
+            topk, nodes = TREE_SHAPES[tree]
             rec.update(mode="tree", num_speculative_tokens=len(acc), topk=topk, tree_nodes=nodes,
                        why=rec["why"] + "; a tree measured faster than that chain on held-out prompts")
     return rec

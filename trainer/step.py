@@ -128,6 +128,17 @@ def autocast(dtype: str, device: torch.device, engine_kind: str):
 
 # ---------------------------------------------------------------------------------------------
 # evaluation: TTT accuracies on held-out data, simulated acceptance length
+def simulated_tau(acc: list[float], k: int) -> float:
+    """1 + sum_{i<k} prod_{j<=i} acc_j: the accepted length (bonus token included) a chain of k drafts reaches when
+    depth j is right with probability acc_j (the held-out accuracies)."""
+    tau, prod = 1.0, 1.0
+    for a in acc[:k]:
+        prod *= a
+        tau += prod
+    return tau
+
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: TargetHead, d: Dist,
              objective: Objective | None = None) -> dict[str, float]:
@@ -154,16 +165,12 @@ def evaluate(model: nn.Module, batches: list[dict[str, torch.Tensor]], head: Tar
         return {}
     correct, count = all_reduce_data(correct, d), all_reduce_data(count, d)
     acc = (correct / count.clamp(min=1)).tolist()
-    sim, prod = 1.0, 1.0
-    for a in acc:
-        prod *= a
-        sim += prod
     res = {f"eval/acc_{i}": a for i, a in enumerate(acc)}
     if alpha is not None:  # the expected acceptance under sampling, beside the greedy acc_k
         res.update({f"eval/alpha_{i}": a for i, a in enumerate((all_reduce_data(alpha, d) / count.clamp(min=1))
                                                                  .tolist())})
     res["eval/loss"] = float(all_reduce_data(loss, d)) / (nb * d.dp)
-    res["eval/sim_accept_len"] = sim  # 1 (bonus token) + sum_k prod_{i<=k} acc_i
+    res["eval/sim_accept_len"] = simulated_tau(acc, len(acc))
     for name, got in ratios.items():
         num, den = all_reduce_data(got, d)
         if num.dim() == 0:  # a scalar with nothing counted is left out, not reported as 0
