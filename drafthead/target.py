@@ -87,21 +87,54 @@ def load_target(name_or_path: str, gguf_file: str | None = None, dtype: str = "a
 
     path, gguf = resolve_target(name_or_path, gguf_file)
     dtype = resolve_dtype_name(dtype, device, "target")
-    kw: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
-    if gguf and dtype != "float32":
-        # transformers keeps GGUF weights packed and computes in fp32; for bf16, dequantize once so the
-        # matmuls run in bf16 (AMX on recent Xeons, tensor cores on GPUs)
-        from transformers.utils.quantization_config import GgufConfig
-
-        kw["quantization_config"] = GgufConfig(gguf_file=gguf, dequantize=True)
     tok = load_tokenizer(path, gguf)
     if tp_mesh is not None:
         check_split(path, tp_mesh.size())
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), tp_plan="auto",
                                                      device_mesh=tp_mesh)
         return freeze(Target(model, tok, name_or_path, gguf))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw)
+    source = dequantized_dir(path, gguf) if gguf else path
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype))
     return freeze(Target(model.to(device), tok, name_or_path, gguf))
+
+
+def _cache_key(src: Path) -> str:
+    """A cached conversion of `src` is valid while the file and the transformers release are the same."""
+    import hashlib
+
+    import transformers
+
+    st = src.stat()
+    key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
+    return f"{src.stem}-{key.hexdigest()[:16]}"
+
+
+def dequantized_dir(path: str, gguf: str) -> Path:
+    """A GGUF target's weights de-quantized to fp32, as an HF model folder in the cache, written on first use.
+
+    transformers parses a GGUF's metadata and de-quantizes its tensors on every load (half a minute for
+    SmolLM2-135M on a 2-core machine, most of it reading the vocabulary's strings); a safetensors folder loads in
+    a second or two. The weights are the ones transformers de-quantizes, stored in fp32, so loading the folder in
+    any dtype rounds them exactly as loading the GGUF in that dtype does (tested)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.assets import cache_dir
+    from drafthead.io import atomic_dir
+
+    out = cache_dir() / "gguf-models" / _cache_key(Path(path) / gguf)
+    if (out / "config.json").exists():
+        return out
+    from safetensors.torch import save_model
+
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=torch.float32)
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the GGUF it came from; the folder holds plain fp32 weights
+        del config.quantization_config
+    with atomic_dir(out) as tmp:  # transformers refuses to save a GGUF-loaded model: its tensors are written here
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+    return out
 
 
 def check_split(path: str, tp: int) -> None:
@@ -143,9 +176,6 @@ def local_target_fingerprint(name_or_path: str, gguf_file: str | None = None
 
 def load_tokenizer(path: str, gguf: str | None = None) -> Any:
     """AutoTokenizer; a GGUF vocabulary is converted once (~10-20 s) and cached as an HF tokenizer."""
-    import hashlib
-
-    import transformers
     from transformers import AutoTokenizer
 
     from drafthead.assets import cache_dir
@@ -153,10 +183,7 @@ def load_tokenizer(path: str, gguf: str | None = None) -> Any:
 
     if not gguf:
         return AutoTokenizer.from_pretrained(path)
-    src = Path(path) / gguf
-    st = src.stat()
-    key = hashlib.sha1(f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode())
-    out = cache_dir() / "tokenizers" / f"{src.stem}-{key.hexdigest()[:16]}"
+    out = cache_dir() / "tokenizers" / _cache_key(Path(path) / gguf)
     if (out / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf)

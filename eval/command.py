@@ -189,6 +189,9 @@ def run_eval(cfg: EvalConfig, target: Any = None, drafter: Any = None, generator
                 "runtime_paths": generator.model.paths(),
                 "runtime_settings_from": source,
                 "machine": machine_info(device)}
+    if settings["machine"]["thread_changes"]:
+        print(f"note: other processes held cores during the run: drafthead.cores changed the decode's thread count "
+              f"(changes: {settings['machine']['thread_changes']}); tokens/s are not this machine's alone")
     report = build_report(runs["speculative"], runs["autoregressive"], dataclasses.asdict(spec), settings,
                           num_prompts=len(samples)) if "ours" in use else \
         {"settings": {"spec": dataclasses.asdict(spec), **settings}, "num_prompts": len(samples)}

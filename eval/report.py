@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from drafthead import hardware
+from drafthead import cores, hardware
 from drafthead.io import atomic_write_bytes, atomic_write_json
 from drafthead.eval.acceptance import (Generation, acceptance_rate_by_position, by_category, compare_outputs,
                                       conditional_acceptance_by_position, summarize)
@@ -44,7 +44,10 @@ DEFINITIONS = {
 
 def machine_info(device: str | torch.device) -> dict:
     dev = torch.device(device)
-    info = {"device": str(dev), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+    # thread_changes: how often drafthead.cores moved the decode's thread count because other processes held
+    # cores; above 0, the speeds are not this machine's alone
+    info = {"device": str(dev), "torch_threads": torch.get_num_threads(), "thread_changes": cores.watcher().changes,
+            "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "cpu_count": os.cpu_count(),
             **hardware.describe(dev)}
     if dev.type == "cuda" and torch.cuda.is_available():

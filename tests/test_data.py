@@ -477,6 +477,29 @@ def test_tokenize_template_errors_are_named():
 
 
 @pytest.mark.slow
+def test_real_smollm2_weights_load_from_the_cache_as_from_the_gguf():
+    """The de-quantized folder `load_target` reads holds transformers' own de-quantization of the GGUF: equal in
+    fp32, and equal after the cast to bf16 (which is what loading the GGUF in bf16 does)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.target import dequantized_dir, load_target, resolve_target
+
+    from drafthead.assets import cache_dir
+
+    path, gguf = resolve_target("smollm2-135m-instruct")
+    ref = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=torch.float32).state_dict()
+    folder = dequantized_dir(path, gguf)  # written by whichever load came first
+    assert folder.parent == cache_dir() / "gguf-models" and (folder / "model.safetensors").is_file()
+    for dtype in ("float32", "bfloat16"):
+        got = load_target("smollm2-135m-instruct", dtype=dtype).model
+        assert got.model.embed_tokens.weight.data_ptr() == got.lm_head.weight.data_ptr()  # still tied
+        sd = got.state_dict()
+        assert sd.keys() == ref.keys()
+        assert all(torch.equal(sd[k], ref[k].to(getattr(torch, dtype))) for k in ref), dtype
+
+
+@pytest.mark.slow
 def test_real_smollm2_tokenizer_masks():
     from transformers import AutoTokenizer
 

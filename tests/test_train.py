@@ -417,7 +417,10 @@ def train_real_smollm2(tmp_path: Path, recipe: str, steps: int, plan: bool = Fal
     run = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), f"recipe={recipe}", "data.max_samples=16",
            f"train.max_steps={steps}", f"output_dir={run}", "logging.wandb=false", "logging.progress=false",
-           "train.eval_samples=8", *([] if plan else ["budget.minutes=null", "train.choose_serving=false"])]
+           "train.eval_samples=8",
+           # the budget's probe at its smallest: one timed batch a phase on 64 conversations (the path, not the figure)
+           *(["budget.probe_batches=1", "budget.probe_samples=64"] if plan else
+             ["budget.minutes=null", "train.choose_serving=false"])]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500,
                        env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]

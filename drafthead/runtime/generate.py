@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from drafthead import cores
 from drafthead.kernels import packing
 from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
 from drafthead.runtime.contract import DraftMode, DraftState, Proposal, SpecConfig, inference
@@ -107,11 +108,12 @@ class SpeculativeGenerator:
         gen = torch.Generator(device=self.device).manual_seed(spec.seed)
         ctx = self.model.max_positions
         results: list[GenerationResult] = []
-        for s in range(0, len(prompts), spec.batch_size):
-            reqs = [_Request(s + i, list(p), min(max_new_tokens, ctx - len(p) + 1))
-                    for i, p in enumerate(prompts[s: s + spec.batch_size])]
-            self.run_batch(reqs, spec, gen, stream)
-            results += [r.result() for r in reqs]
+        with cores.shared(self.device):
+            for s in range(0, len(prompts), spec.batch_size):
+                reqs = [_Request(s + i, list(p), min(max_new_tokens, ctx - len(p) + 1))
+                        for i, p in enumerate(prompts[s: s + spec.batch_size])]
+                self.run_batch(reqs, spec, gen, stream)
+                results += [r.result() for r in reqs]
         return results
 
     def check(self, prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig) -> None:
@@ -152,6 +154,7 @@ class SpeculativeGenerator:
         s = _Session(self, reqs, spec, gen, stream)
         s.prefill()
         while s.reqs:
+            cores.tick()  # fewer threads while other processes hold cores (drafthead.cores)
             s.step()
 
 
