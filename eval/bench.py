@@ -294,11 +294,13 @@ def bandwidth_bound(tm: Any, device: str, read: dict | None = None) -> dict:
 def compute_rate(tm: Any, device: str) -> dict | None:
     """The compute side of the roofline: the decode kernel's multiply-add rate from registers on this machine's
     threads, and the multiply-adds a token takes. None where no CPU decode kernel runs (oneDNN, GPU)."""
-    from drafthead.kernels import cpu_linear
+    from drafthead.kernels import cpu_linear, extension
     if device != "cpu" or not tm.kernel:
         return None
-    rate = cpu_linear.peak_macs(tm.kernel)
-    return {"kernel": tm.kernel, "macs_per_token": tm.multiply_adds(), "peak_gmacs_per_s": rate / 1e9,
+    # AMX tiles multiply far faster than any rate measured here from registers: the bandwidth side alone bounds them
+    amx = tm.kernel == "bf16" and extension.amx()
+    rate = None if amx else cpu_linear.peak_macs(tm.kernel) / 1e9
+    return {"kernel": tm.kernel, "macs_per_token": tm.multiply_adds(), "peak_gmacs_per_s": rate,
             "threads": torch.get_num_threads()}
 
 
@@ -311,8 +313,9 @@ def roofline(curve: list[dict], bound: dict, compute: dict | None) -> None:
         if compute is None:
             continue
         n = row["num_tokens"]
-        row["compute_ms"] = 1000 * n * compute["macs_per_token"] / (compute["peak_gmacs_per_s"] * 1e9)
-        row["roofline_ms"] = max(row["bandwidth_ms"], row["compute_ms"])
+        rate = compute["peak_gmacs_per_s"]
+        row["compute_ms"] = 1000 * n * compute["macs_per_token"] / (rate * 1e9) if rate else None
+        row["roofline_ms"] = max(row["bandwidth_ms"], row["compute_ms"] or 0.0)
         row["x_roofline"] = row["ms"] / row["roofline_ms"]
         row["tile_path"] = cpu_linear.tile_path(compute["kernel"], n)
 
@@ -413,6 +416,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
     compute = compute_rate(tm, device)
     roofline(curve, bound, compute)
     hf_curve = hf_verify_cost_curve(target.model, prefix, sizes, cfg.verify_repeats, device)
+    from drafthead.kernels import probe
 
     result = {"settings": {**dataclasses.asdict(cfg), "target": getattr(target, "name_or_path", None),
                            "weights_dtype": str(target.model.dtype).removeprefix("torch."),
@@ -423,6 +427,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
               "verify_cost": curve,
               "bandwidth_bound": bound,
               "compute_rate": compute,
+              "kernel_probe": probe.report() if tm.kernel == "bf16" else None,
               "verify_cost_hf": hf_curve,
               "definitions": DEFINITIONS}
     print(format_table(result))
@@ -462,8 +467,17 @@ def format_table(result: dict) -> str:
         lines.append(line)
     lines.append(f"target verify cost: one forward of n tokens on a cached prefix of "
                  f"{result['settings']['verify_prefix']} tokens")
+    kp = result.get("kernel_probe")
+    if kp:
+        lines.append(f"kernel probe ({kp['cpu_class']}, {kp['threads']} threads, {kp['seconds']} s once): "
+                     f"{kp['name']}; ms per pass by rows, chosen / fastest / built-in: "
+                     + ", ".join(f"{r}: {v['chosen_ms']:.1f} / {v['fastest_ms']:.1f} ({v['fastest']}) / "
+                                 f"{f(v['built_in_ms'], 1)}" for r, v in kp["rows"].items()))
     cr = result.get("compute_rate")
-    if cr:
+    if cr and cr["peak_gmacs_per_s"] is None:
+        lines.append(f"compute: {cr['macs_per_token'] / 1e6:.0f}M multiply-adds a token on AMX tiles; roofline = "
+                     f"bandwidth ms")
+    elif cr:
         lines.append(f"compute: {cr['macs_per_token'] / 1e6:.0f}M multiply-adds a token, {cr['kernel']} kernel's "
                      f"instruction at {cr['peak_gmacs_per_s']:.0f} GMAC/s on {cr['threads']} threads; roofline = "
                      f"max(bandwidth ms, compute ms)")

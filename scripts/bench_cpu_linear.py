@@ -2,11 +2,13 @@
 
     python scripts/bench_cpu_linear.py                          # SmolLM2-135M's 30 layers of projections
     python scripts/bench_cpu_linear.py rows=[1,8] layers=30 repeats=7 threads=2
+    python scripts/bench_cpu_linear.py only=bf16 prefetch=built_in     # the bf16 kernel before the probe
 
 Why: `drafthead bench` times whole forwards, where attention and Python overhead hide what the projections
 cost. Here random weights of SmolLM2's shapes (q, k, v, o, gate, up, down per layer; ~530 MB in fp32, far
 past the caches) go through each kernel the runtime can pick (the fp32 AVX2 kernel with fp32 / bf16 / int8
-weights, the AVX512-BF16 kernel where the CPU has it) and through oneDNN (`F.linear`) for fp32, at each row
+weights, the bf16 kernel on each tile path the CPU has, AVX512-BF16 and AMX, with the prefetch setting
+`kernels/probe.py` chose here) and through oneDNN (`F.linear`) for fp32, at each row
 count. Prints ms per pass, the weight bytes streamed per ms (GB/s), the cost relative to 1 row, the bandwidth bound
 (bytes / the measured read bandwidth) and the roofline: max(that bound, rows x weights / the multiply-add rate the
 kernel's instruction sustains from registers here, `cpu_linear.peak_macs`); oneDNN gets the bandwidth side only.
@@ -23,10 +25,12 @@ from omegaconf import OmegaConf
 
 from drafthead import hardware
 from drafthead.eval.bench import read_bandwidth
-from drafthead.kernels import cpu_linear, extension, hugepages
+from drafthead.kernels import cpu_linear, extension, hugepages, probe
 
 DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7,
-                threads=None)
+                threads=None, only="", prefetch="tuned")
+# only: run the methods whose name contains this text; prefetch: how the bf16 kernel prefetches a target's weights,
+# "tuned" (what kernels/probe.py chose on this machine, measured now if not cached) or "built_in" (NTA 32 ahead)
 
 
 def shapes(c) -> list[tuple[int, int]]:
@@ -72,20 +76,29 @@ def main(argv: list[str]) -> int:
     else:
         print(f"fp32 kernel skipped: {extension.unavailable_reason('fp32')}")
     if extension.available("bf16"):  # bf16 activations too: what the runtime runs for a bf16 target
+        tuned = probe.tuned() if c.prefetch == "tuned" else probe.BUILT_IN
+        print(f"bf16 kernel: a target's weights prefetched {tuned.hint.upper()} {tuned.ahead} k-pairs ahead "
+              f"({c.prefetch}); the probe's path: {tuned.name()}")
         packed16 = [(pages.put(cpu_linear.pack(w.bfloat16())), w.shape[0]) for w in weights]
-        methods["AVX512-BF16 kernel, bf16"] = (
-            lambda x: [cpu_linear.linear(xk(x, w).bfloat16(), p, n, stream=True)  # as the runtime runs a target's
-                        for (p, n), w in zip(packed16, weights)],
-            sum(w.numel() * 2 for w in weights))
+
+        def bf16_pass(x, path):
+            with probe.use(probe.Setting(path, tuned.hint, tuned.ahead)):
+                return [cpu_linear.linear(xk(x, w).bfloat16(), p, n, stream=True)  # as the runtime runs a target's
+                        for (p, n), w in zip(packed16, weights)]
+        for path in probe.cpu_paths():
+            methods[f"{'AMX' if path == 'amx' else 'AVX512-BF16'} kernel, bf16"] = (
+                lambda x, path=path: bf16_pass(x, path), sum(w.numel() * 2 for w in weights))
     else:
         print(f"AVX512-BF16 kernel skipped: {extension.unavailable_reason('bf16')}")
     methods["oneDNN F.linear, fp32"] = (lambda x: [F.linear(xk(x, w), w) for w in weights],
                                         sum(w.numel() * 4 for w in weights))
+    methods = {k: v for k, v in methods.items() if c.only in k}
     macs = sum(w.numel() for w in weights)  # a row's multiply-adds
     print("\n| method | rows | ms | GB/s | vs 1 row | vs bound | compute ms | vs roofline |\n"
           "|---|---|---|---|---|---|---|---|")
     for name, (run, nbytes) in methods.items():
         bound = nbytes / bw / 1e6
+        # AMX tiles multiply faster than any rate measured from registers here: bandwidth side only, as oneDNN
         rate = peak.get("bf16" if name.startswith("AVX512-BF16") else "fp32" if name.startswith("fp32") else "")
         base = None
         for m in c.rows:

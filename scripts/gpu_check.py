@@ -13,8 +13,10 @@ and exits 1 if any check fails:
   dflash    DFlash training steps (recipes/dflash_qwen.yaml's shape) on the same target
   mtp       MTP training steps (recursive, K=3, as recipes/mtp_qwen35.yaml) on the same target
   runtime   greedy chain / tree / block speculative == our AR loop == HF greedy on a small random fp64 target,
-            batch 1 and 3; on the 8B-geometry bf16 target, the verify-cost curve (T = 1..64 new tokens on a
-            cached prefix) of the runtime's forward beside HF's forward with a DynamicCache
+            batch 1 and 3, eager and on the static path (CUDA graphs); on the 8B-geometry bf16 target, the
+            verify-cost curve (T = 1..64 new tokens on a cached prefix) of the runtime's forward, eager and as CUDA
+            graphs, beside HF's forward with a DynamicCache, against the bound (weight bytes / measured HBM read),
+            and AR tokens/s (ours eager, ours graphed, HF `generate`)
 
 Here, with network (the GPU image has torch 2.11, transformers 5.17, triton 3.6, peft, safetensors, tqdm,
 numpy, pyyaml; the rest travels as wheels, about 6 MiB):
@@ -328,18 +330,29 @@ def section_zero2(ctx: dict) -> dict:
 
 
 @torch.inference_mode()
-def verify_curve(target, device: torch.device, prefix: int, sizes: list[int], reps: int) -> list[dict]:
+def static_path(tm, dry: bool):
+    """The static-cache path `runtime/graphs.py` gives a GPU run, for `tm`: CUDA graphs on a GPU, the same path
+    run eagerly in a dry run on CPU."""
+    from drafthead.runtime import graphs
+    return graphs.StaticForward(tm, graphs=not dry)
+
+
+def verify_curve(target, device: torch.device, prefix: int, sizes: list[int], reps: int, dry: bool) -> list[dict]:
     """ms of one forward over T new tokens on a cached prefix (a rejected verify round: the cache is not
-    advanced): the runtime's TargetModel beside HF's forward with a DynamicCache (cropped back each time)."""
+    advanced): the runtime's TargetModel run eagerly and on its static path (CUDA graphs on a GPU) beside HF's
+    forward with a DynamicCache (cropped back each time). Each row also says how far the static path's logits are
+    from the eager forward's (the same math in other kernels' order: near, not equal, on a GPU)."""
     from transformers import DynamicCache
 
     from drafthead.runtime import TargetModel
 
     L = target.num_layers
     tm = TargetModel(target.model, aux_layer_ids=[min(2, L - 1), L // 2, max(L - 3, 0)])
+    tm.static = static_path(tm, dry)
     V = target.config.vocab_size
     g = torch.Generator(device=device).manual_seed(0)
     cache = tm.new_cache(1, prefix + max(sizes) + 1)
+    static, tm.static = tm.static, None
     lens = torch.zeros(1, dtype=torch.long, device=device)
     pre = torch.randint(0, V, (1, prefix), device=device, generator=g)
     tm.forward(cache, pre, lens, prefill=True)
@@ -358,27 +371,73 @@ def verify_curve(target, device: torch.device, prefix: int, sizes: list[int], re
             ts.append(time.perf_counter() - t0)
         return sorted(ts)[len(ts) // 2] * 1000
 
+    def run(T_ids: torch.Tensor, on_static: bool):
+        tm.static = static if on_static else None
+        try:
+            return tm.forward(cache, T_ids, lens, capture=True)
+        finally:
+            tm.static = None
+
     rows = []
-    for T in sizes:  # a first pass warms clocks, allocator and kernel choices for every size; not recorded
+    for T in sizes:  # a first pass warms clocks, allocator and kernel choices (and captures graphs); not recorded
         ids = torch.randint(0, V, (1, T), device=device, generator=g)
-        tm.forward(cache, ids, lens, capture=True)
+        run(ids, False)
+        run(ids, True)
         target.model(input_ids=ids, past_key_values=hf_cache, use_cache=True)
         hf_cache.crop(-T)
     for T in sizes:
         ids = torch.randint(0, V, (1, T), device=device, generator=g)
-
-        def ours() -> None:
-            tm.forward(cache, ids, lens, capture=True)
+        eager_logits, static_logits = run(ids, False)[0].float(), run(ids, True)[0].float()
 
         def hf() -> None:
             target.model(input_ids=ids, past_key_values=hf_cache, use_cache=True)
             hf_cache.crop(-T)  # back to the prefix (a negative count: the form every transformers 5.x takes)
 
-        rows.append({"T": T, "runtime_ms": round(timed(ours), 3), "hf_ms": round(timed(hf), 3)})
+        rows.append({"T": T, "runtime_ms": round(timed(lambda: run(ids, False)), 3),
+                     "static_ms": round(timed(lambda: run(ids, True)), 3), "hf_ms": round(timed(hf), 3),
+                     "static_max_abs_diff": float((static_logits - eager_logits).abs().max()),
+                     "static_argmax_equal": bool(torch.equal(static_logits.argmax(-1), eager_logits.argmax(-1)))})
     one = rows[0]["runtime_ms"]
     for r in rows:
         r["runtime_x_T1"] = round(r["runtime_ms"] / one, 2)
+        r["static_x_T1"] = round(r["static_ms"] / rows[0]["static_ms"], 2)
     return rows
+
+
+def weight_bound(target, device: torch.device) -> dict:
+    """The least time a 1-token forward can take on this device: its weight bytes / the measured read rate."""
+    from drafthead.eval.bench import read_bandwidth
+    nbytes = sum(p.numel() * p.element_size() for n, p in target.model.named_parameters() if "embed_tokens" not in n)
+    bw = read_bandwidth(device.type, mib=64 if device.type == "cpu" else 2048)
+    return {"weight_bytes": nbytes, "read_gb_per_s": round(bw / 1e9, 1), "bound_ms": round(1000 * nbytes / bw, 3)}
+
+
+def ar_speed(target, device: torch.device, new: int, dry: bool) -> dict:
+    """Tokens/s of greedy AR decoding of `new` tokens after a 32-token prompt: our runtime eager, on its static path
+    (CUDA graphs on a GPU), and HF `generate`."""
+    from drafthead.runtime import SpecConfig, SpeculativeGenerator
+    V = target.config.vocab_size
+    prompt = torch.randint(3, V - 2, (32,), generator=torch.Generator().manual_seed(7)).tolist()
+    gen = SpeculativeGenerator(target, None, device=device)
+    out = {}
+    for name, on in (("ours_eager", False), ("ours_static", True)):
+        gen.model.static = static_path(gen.model, dry) if on else None
+        gen.generate([prompt], 4, SpecConfig(mode="ar"))  # warm (and capture)
+        sync(device)
+        t0 = time.perf_counter()
+        r = gen.generate([prompt], new, SpecConfig(mode="ar"))[0]
+        sync(device)
+        out[name] = round(len(r.tokens) / (time.perf_counter() - t0), 2)
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        target.model.generate(ids, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+        sync(device)
+        t0 = time.perf_counter()
+        o = target.model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        sync(device)
+    out["hf_generate"] = round((o.shape[1] - ids.shape[1]) / (time.perf_counter() - t0), 2)
+    out["static_vs_hf"] = round(out["ours_static"] / out["hf_generate"], 2)
+    return out
 
 
 def reference_greedy(target, prompt: list[int], n: int, eos: int, device: torch.device) -> list[int]:
@@ -424,10 +483,13 @@ def section_runtime(ctx: dict) -> dict:
                 ("dflash", SpecConfig(mode="block", num_speculative_tokens=3))]
     for fam, spec in settings:
         gen = SpeculativeGenerator(small, drafters[fam], device=device)
-        for bs in (1, 3):
-            s = SpecConfig(**{**spec.__dict__, "batch_size": bs})
-            got = [r.tokens for r in gen.generate(prompts, n_new, s)]
-            checks.append({"mode": spec.mode, "drafter": fam, "batch": bs, "equal_to_hf_greedy": got == want})
+        for path in ("eager", "static"):  # static: CUDA graphs on a GPU, the same path eagerly in a dry run
+            gen.model.static = static_path(gen.model, dry) if path == "static" else None
+            for bs in (1, 3):
+                s = SpecConfig(**{**spec.__dict__, "batch_size": bs})
+                got = [r.tokens for r in gen.generate(prompts, n_new, s)]
+                checks.append({"mode": spec.mode, "drafter": fam, "path": path, "batch": bs,
+                               "equal_to_hf_greedy": got == want})
     bad = [c for c in checks if not c["equal_to_hf_greedy"]]
     if bad:
         raise AssertionError(f"speculative != greedy: {bad}")
@@ -436,8 +498,15 @@ def section_runtime(ctx: dict) -> dict:
     del small, drafters
     big = ctx["big"]
     sizes = [1, 2, 4, 8] if dry else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
-    out["verify_curve"] = verify_curve(big, device, prefix=32 if dry else 512, sizes=sizes, reps=2 if dry else 10)
+    out["verify_curve"] = verify_curve(big, device, prefix=32 if dry else 512, sizes=sizes, reps=2 if dry else 10,
+                                       dry=dry)
     out["verify_target"] = f"{big.name_or_path}, {str(big.model.dtype).removeprefix('torch.')}"
+    out["bound"] = weight_bound(big, device)
+    out["bound"]["static_T1_x_bound"] = round(out["verify_curve"][0]["static_ms"] / out["bound"]["bound_ms"], 2)
+    out["ar_tokens_per_s"] = ar_speed(big, device, new=8 if dry else 128, dry=dry)
+    bad = [r["T"] for r in out["verify_curve"] if not r["static_argmax_equal"]]
+    if dry and bad:  # fp32 / bf16 on CPU: the static path runs the same kernels; on a GPU, said in the report
+        raise AssertionError(f"static path's argmax != eager's at T = {bad}")
     return out
 
 
@@ -460,8 +529,10 @@ def markdown(res: dict) -> str:
             fig = f"{s['cases']} cases equal; Triton/torch speedup {min(sp)}-{max(sp)}x"
         elif name == "runtime" and st == "ok":
             c = s["verify_curve"]
-            fig = (f"{len(s['lossless_fp64'])} mode x batch runs lossless; verify T=1 {c[0]['runtime_ms']} ms "
-                   f"(HF {c[0]['hf_ms']}), T={c[-1]['T']} {c[-1]['runtime_ms']} ms (HF {c[-1]['hf_ms']})")
+            fig = (f"{len(s['lossless_fp64'])} mode x path x batch runs lossless; verify T=1 {c[0]['runtime_ms']} ms "
+                   f"eager, {c[0]['static_ms']} static ({s['bound']['static_T1_x_bound']}x the bound), "
+                   f"HF {c[0]['hf_ms']}; T={c[-1]['T']} {c[-1]['runtime_ms']} / {c[-1]['static_ms']} ms "
+                   f"(HF {c[-1]['hf_ms']}); AR {s['ar_tokens_per_s']}")
         elif st != "ok":
             fig = res["errors"].get(name, "")[:200].replace("|", "/").replace("\n", " ")
         else:
@@ -469,9 +540,15 @@ def markdown(res: dict) -> str:
         lines.append(f"| {name} | {st} | {res['seconds'].get(name, '-')} | {fig} |")
     if res["status"].get("runtime") == "ok":
         lines += ["", "Verify cost (ms), " + res["sections"]["runtime"]["verify_target"], "",
-                  "| T | runtime | HF + DynamicCache | runtime / T=1 |", "| --- | --- | --- | --- |"]
-        lines += [f"| {r['T']} | {r['runtime_ms']} | {r['hf_ms']} | {r['runtime_x_T1']} |"
+                  "| T | runtime eager | static (CUDA graphs) | HF + DynamicCache | eager / T=1 | static / T=1 "
+                  "| static vs eager: max abs diff, argmax equal |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r['T']} | {r['runtime_ms']} | {r['static_ms']} | {r['hf_ms']} | {r['runtime_x_T1']} | "
+                  f"{r['static_x_T1']} | {r['static_max_abs_diff']:.3g}, {r['static_argmax_equal']} |"
                   for r in res["sections"]["runtime"]["verify_curve"]]
+        b = res["sections"]["runtime"]["bound"]
+        lines += ["", f"Bound: {b['weight_bytes'] / 1e9:.2f} GB of weights at {b['read_gb_per_s']} GB/s read = "
+                      f"{b['bound_ms']} ms; static T=1 = {b['static_T1_x_bound']}x. AR tokens/s: "
+                      f"{res['sections']['runtime']['ar_tokens_per_s']}"]
     if res["status"].get("kernels") == "ok":
         lines += ["", "| kernel | shape | Triton ms | torch ms | speedup | check |", "| --- " * 6 + "|"]
         lines += [f"| {r['kernel']} | {r['shape']} | {r['triton_ms']} | {r['torch_ms']} | {r['speedup']} "

@@ -34,10 +34,15 @@ def test_gpu_check_dry_runs_every_section(tmp_path: Path) -> None:
         assert s[name]["tokens_per_s"] > 0 and all(math.isfinite(x) for x in s[name]["losses"]), name
     assert s["zero2"]["engine"] == "deepspeed" and s["eagle3"]["engine"] == "torch"
     assert s["eagle3"]["flops_per_micro_step"] > 0 and s["eagle3"]["achieved_tflops"] >= 0
-    modes = {(c["mode"], c["batch"]) for c in s["runtime"]["lossless_fp64"]}
-    assert modes == {(m, b) for m in ("ar", "chain", "tree", "block") for b in (1, 3)}
+    modes = {(c["mode"], c["path"], c["batch"]) for c in s["runtime"]["lossless_fp64"]}
+    assert modes == {(m, p, b) for m in ("ar", "chain", "tree", "block") for p in ("eager", "static") for b in (1, 3)}
     assert all(c["equal_to_hf_greedy"] for c in s["runtime"]["lossless_fp64"])
-    assert [r["T"] for r in s["runtime"]["verify_curve"]] == [1, 2, 4, 8]
+    curve = s["runtime"]["verify_curve"]
+    assert [r["T"] for r in curve] == [1, 2, 4, 8]
+    # the static-cache path (CUDA graphs on a GPU) run eagerly on CPU: the eager forward's logits, timed beside it
+    assert all(r["static_argmax_equal"] and r["static_max_abs_diff"] == 0 and r["static_ms"] > 0 for r in curve)
+    assert s["runtime"]["bound"]["bound_ms"] > 0 and s["runtime"]["bound"]["static_T1_x_bound"] > 0
+    assert set(s["runtime"]["ar_tokens_per_s"]) == {"ours_eager", "ours_static", "hf_generate", "static_vs_hf"}
     md = (tmp_path / "gpu_check.md").read_text()
     assert "| runtime | ok |" in md and ("| kernels | ok |" in md or not INTERPRETER_LOOPS_OVER_LOADS)
 

@@ -6,6 +6,7 @@ flips from summation order). The oracle drafter copies the target, so every draf
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import replace
 from types import SimpleNamespace
@@ -19,7 +20,7 @@ from drafthead import hardware
 from drafthead.eagle3 import Eagle3Config, Eagle3Drafter
 from drafthead.family import OwnLayers
 from drafthead.layers import kv_cache
-from drafthead.kernels import cpu_linear, extension, hugepages, packing
+from drafthead.kernels import cpu_linear, extension, hugepages, packing, probe
 from drafthead.runtime import GenerationResult, SpecConfig, SpeculativeGenerator, TargetModel
 from drafthead.kernels import verify as ops  # Triton on CUDA, the eager reference elsewhere
 from drafthead.runtime.draft import CHAIN, TREE, ngram_lookup
@@ -27,6 +28,21 @@ from drafthead.runtime.generate import _Request, _Session
 from drafthead.runtime.sampling import probs
 from drafthead.target import Target, freeze
 from drafthead.vocab import build_vocab_mapping
+
+
+def kernel_paths() -> list[str]:
+    """The bf16 kernel's tile paths this CPU has ("none" where it has no AVX512-BF16): each is run forced."""
+    return probe.cpu_paths() if hardware.cpu_class() in hardware.NATIVE_BF16_CLASSES else ["none"]
+
+
+@contextlib.contextmanager
+def forced_path(path: str):
+    if path == "none" or not extension.available("bf16"):
+        yield
+        return
+    with probe.use(probe.Setting(path=path, hint="t0", ahead=32)):
+        yield
+
 
 EOS = 2
 ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
@@ -267,9 +283,16 @@ def forward_in_blocks(tm: TargetModel, prefix: torch.Tensor, new: torch.Tensor, 
     return torch.cat([o[0] for o in out], 1), torch.cat([o[1] for o in out], 1)
 
 
-def test_bf16_verify_block_is_bitwise_single_steps() -> None:
+@pytest.mark.parametrize("path", kernel_paths())
+def test_bf16_verify_block_is_bitwise_single_steps(path: str) -> None:
     """Batch invariance in bf16: a token's logits are the same bits whether it is decoded alone or inside
-    a verify block of any size, so greedy speculative output can equal AR output exactly."""
+    a verify block of any size, so greedy speculative output can equal AR output exactly (on each tile path the
+    kernel probe can pick here)."""
+    with forced_path(path):
+        _bf16_verify_block_is_bitwise_single_steps()
+
+
+def _bf16_verify_block_is_bitwise_single_steps() -> None:
     target = tiny_target("llama", dtype=torch.bfloat16, seed=9, hidden_size=64, intermediate_size=128)
     tm = TargetModel(target.model, aux_layer_ids=[0, 1, 1])
     g = torch.Generator().manual_seed(0)
@@ -603,10 +626,17 @@ def test_attend_is_invariant_to_query_count_on_real_case() -> None:
         pytest.skip("SDPA's q_len-1 kernel matches its block kernel on this CPU: the stored case cannot fail here")
 
 
+@pytest.mark.parametrize("path", kernel_paths())
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_is_lossless_bf16(arch: str) -> None:
+def test_greedy_is_lossless_bf16(arch: str, path: str) -> None:
     """bf16 target: every setting reproduces the runtime's own bf16 AR output token for token, trees included
-    (where the attention kernel runs: a node sums its ancestors' keys in key order, as its AR twin does)."""
+    (where the attention kernel runs: a node sums its ancestors' keys in key order, as its AR twin does), on
+    each tile path the kernel probe can pick on this CPU."""
+    with forced_path(path):
+        _greedy_is_lossless_bf16(arch)
+
+
+def _greedy_is_lossless_bf16(arch: str) -> None:
     target = tiny_target(arch, dtype=torch.bfloat16, seed=4, head_scale=4.0)
     gen = SpeculativeGenerator(target, random_drafter(target))
     oracle = SpeculativeGenerator(target, OracleDrafter(target, one_hot=True))
@@ -646,25 +676,32 @@ def test_packed_weights_on_huge_pages_give_the_same_bits(dtype: torch.dtype, mon
     assert all(torch.equal(a, b) for a, b in zip(got["1"], got["0"]))
 
 
-def test_prompts_take_onednn_on_amx_and_the_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts go through the decode kernels except on AMX CPUs (oneDNN's tiles): either way generated tokens take
-    the kernels and speculative output equals AR output; the two prompt paths agree up to bf16 rounding."""
+def test_prompts_take_onednn_on_amx_unless_the_kernel_runs_amx_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts go through the decode kernels except on AMX CPUs where the kernel is not on AMX tiles itself (oneDNN's
+    tiles are faster there): either way generated tokens take the kernels and speculative output equals AR output;
+    the prompt paths agree up to bf16 rounding."""
     if not (extension.available("bf16") and extension.available("fp32")):
         pytest.skip(f"CPU kernels unavailable: "
                     f"{extension.unavailable_reason('bf16') or extension.unavailable_reason('fp32')}")
     target = tiny_target("llama", dtype=torch.bfloat16, seed=4, head_scale=4.0)
     prompts = random_prompts(3, 128, seed=5)
     logits = {}
-    for cls in ("AVX512-BF16", "AMX"):
+    cases = [("AVX512-BF16", "avx512", True), ("AMX", "avx512", False)]
+    if "amx" in probe.cpu_paths():
+        cases.append(("AMX", "amx", True))
+    for cls, path, kernel in cases:
         monkeypatch.setattr(hardware, "cpu_class", lambda cls=cls: cls)
-        gen = SpeculativeGenerator(target, random_drafter(target))
-        assert gen.model.prompt_kernel == (cls != "AMX")
-        want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
-        assert [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="chain", num_speculative_tokens=3))] == want
-        cache = gen.model.new_cache(1, 32)
-        logits[cls] = gen.model.forward(cache, torch.tensor([prompts[0]]), torch.zeros(1, dtype=torch.long),
-                                        prefill=True)[0].float()
-    torch.testing.assert_close(logits["AMX"], logits["AVX512-BF16"], atol=0.1, rtol=0.05)
+        with probe.use(probe.Setting(path, "t0", 32)):
+            gen = SpeculativeGenerator(target, random_drafter(target))
+            assert gen.model.prompt_kernel == kernel, (cls, path)
+            want = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+            chain = gen.generate(prompts, 16, SpecConfig(mode="chain", num_speculative_tokens=3))
+            assert [r.tokens for r in chain] == want
+            cache = gen.model.new_cache(1, 32)
+            logits[(cls, path)] = gen.model.forward(cache, torch.tensor([prompts[0]]), torch.zeros(1, dtype=torch.long),
+                                                    prefill=True)[0].float()
+    for key, got in logits.items():
+        torch.testing.assert_close(got, logits[("AVX512-BF16", "avx512")], atol=0.1, rtol=0.05, msg=str(key))
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])

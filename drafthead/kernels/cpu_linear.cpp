@@ -28,7 +28,19 @@
 namespace {
 
 constexpr int64_t kLanes = 16;  // outputs per packed block
-constexpr int64_t kPrefetch = 32;  // k-pairs ahead (8 was slower at 2-8 rows than 16, 16 than 32)
+// How a tile prefetches the weight's lines ahead of its loads: the hint and the distance in k-pairs, one setting
+// for weights read once a forward (a target's: `stream`) and one for the rest (a draft's). The best setting differs
+// by CPU: non-temporal prefetches of a target's weights 32 k-pairs ahead won on the AVX512-BF16 EPYC (see `tile`),
+// and cost the AMX Xeon ~1.8x on every row count against T0, so `kernels/probe.py` times the candidates on the
+// machine and sets them (`stream_set`). The bits never depend on them.
+enum Hint { kNta = 0, kT0 = 1, kT1 = 2 };
+int g_hint[2] = {kT0, kNta};  // [stream]: the hint of plain and of streamed weights
+int64_t g_ahead[2] = {32, 32};  // [stream]: k-pairs ahead (8 was slower at 2-8 rows than 16, 16 than 32, on the EPYC)
+
+template <int H>
+inline void prefetch(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p), H == kNta ? _MM_HINT_NTA : (H == kT0 ? _MM_HINT_T0 : _MM_HINT_T1));
+}
 constexpr int64_t kGroup = 4;      // blocks stored side by side per k-pair (8 helped a lone row, slowed 2-8 rows)
 constexpr int kRows = 6;        // rows of x per tile (6 x 4 accumulators + 4 weights + 1 broadcast = 29 zmm)
 constexpr int64_t kChunk = 32;  // k-pairs per chunk when rows take several tiles (16 and 64 gained less at 7-12 rows)
@@ -49,16 +61,17 @@ torch::Tensor pack(torch::Tensor w) {
 // Rows m0..m0+R-1 of x against packed blocks b0..b0+B-1, over k-pairs kp0..kp1-1: the fp32 accumulators start at
 // zero (first) or from acc [R][B][16] and go back there (exactly: fp32 through memory), so a call over the whole of
 // K and one over K in chunks give the same bits.
-// NT: the weight is streamed (read once a forward, far more bytes than the caches hold: a target's); its lines are
+// A streamed weight (read once a forward, far more bytes than the caches hold: a target's) may have its lines
 // prefetched non-temporally so that they do not evict what is read again (the KV cache, activations, a draft's
 // weights). A/B in one process on the AVX512-BF16 EPYC, bf16 SmolLM2 with its EAGLE3 draft, 4 MT-Bench-style
 // prompts x 96 tokens x 3 rounds: AR 104.3 -> 113.4 tok/s, chain 111.2 -> 133.6 tok/s; a pass over the target's
 // projections 1-7% faster at 1-16 rows. Whether a draft's weights are streamed too made no difference beyond the
 // noise (16 MT-Bench prompts, three variants taking turns), so drafts keep ordinary prefetches.
-// PF: prefetch ahead (a chunk's second tile finds its lines in L1 and does not).
-template <int R, int B, bool NT, bool PF>
+// H: the prefetch hint, `ahead` k-pairs on (see g_hint). PF: prefetch ahead (a chunk's second tile finds its lines
+// in L1 and does not).
+template <int R, int B, int H, bool PF>
 inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, int64_t b0, int64_t N, int64_t m0,
-                 int64_t kp0, int64_t kp1, float* acc_mem, bool first) {
+                 int64_t kp0, int64_t kp1, float* acc_mem, bool first, int64_t ahead) {
   const int64_t KP = K / 2, NB = (N + kLanes - 1) / kLanes;
   const at::BFloat16* base[B];  // block b0+j's k-pair 0, and the distance to its next k-pair (its group's width)
   int64_t kstride[B];
@@ -81,8 +94,7 @@ inline void tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p, int64_
     if constexpr (PF) {
 #pragma GCC unroll 8
       for (int j = 0; j < B; ++j)  // one 64-byte line per block and k-pair: fetch a few pairs ahead
-        _mm_prefetch(reinterpret_cast<const char*>(base[j] + (kp + kPrefetch) * kstride[j]),
-                     NT ? _MM_HINT_NTA : _MM_HINT_T0);
+        prefetch<H>(base[j] + (kp + ahead) * kstride[j]);
     }
     __m512i w[B];
 #pragma GCC unroll 8
@@ -116,16 +128,16 @@ inline void finish(const float* acc_mem, int R, int B, const float* bias, int64_
   }
 }
 
-template <int B, bool NT, bool PF>
+template <int B, int H, bool PF>
 inline void tile_of(int R, const at::BFloat16* x, int64_t K, const at::BFloat16* p, int64_t b0, int64_t N, int64_t m0,
-                    int64_t kp0, int64_t kp1, float* acc_mem, bool first) {
+                    int64_t kp0, int64_t kp1, float* acc_mem, bool first, int64_t ahead) {
   switch (R) {
-    case 6: tile<6, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
-    case 5: tile<5, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
-    case 4: tile<4, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
-    case 3: tile<3, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
-    case 2: tile<2, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
-    default: tile<1, B, NT, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first); break;
+    case 6: tile<6, B, H, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first, ahead); break;
+    case 5: tile<5, B, H, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first, ahead); break;
+    case 4: tile<4, B, H, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first, ahead); break;
+    case 3: tile<3, B, H, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first, ahead); break;
+    case 2: tile<2, B, H, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first, ahead); break;
+    default: tile<1, B, H, PF>(x, K, p, b0, N, m0, kp0, kp1, acc_mem, first, ahead); break;
   }
 }
 
@@ -137,17 +149,17 @@ inline void tile_of(int R, const at::BFloat16* x, int64_t K, const at::BFloat16*
 // prefetch keeps it out of L2). A pass over SmolLM2's projections and head at 7 / 8 rows: 8.52 / 8.52 -> 7.43 / 7.77
 // ms, 1 row 7.25 / 7.35; at 16 rows chunking three tiles was slower than this (10.9-11.7 against 10.3 ms), so it
 // stays with two (A/B in one process, AVX512-BF16 EPYC, 2 threads; the VM's memory read 35-41 GB/s across runs).
-template <int B, bool NT>
+template <int B, int H>
 inline void rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* p, const float* bias, int64_t b0,
-                 at::BFloat16* y, int64_t N) {
+                 at::BFloat16* y, int64_t N, int64_t ahead) {
   const int64_t KP = K / 2;
   alignas(64) float acc[2 * kRows * B * kLanes];
   if (M > kRows && M <= 2 * kRows) {
     const int R2 = static_cast<int>(M - kRows);
     for (int64_t k0 = 0; k0 < KP; k0 += kChunk) {
       const int64_t k1 = std::min(KP, k0 + kChunk);
-      tile<kRows, B, NT, true>(x, K, p, b0, N, 0, k0, k1, acc, k0 == 0);
-      tile_of<B, NT, false>(R2, x, K, p, b0, N, kRows, k0, k1, acc + kRows * B * kLanes, k0 == 0);
+      tile<kRows, B, H, true>(x, K, p, b0, N, 0, k0, k1, acc, k0 == 0, ahead);
+      tile_of<B, H, false>(R2, x, K, p, b0, N, kRows, k0, k1, acc + kRows * B * kLanes, k0 == 0, ahead);
     }
     finish(acc, kRows, B, bias, b0, y, N, 0);
     finish(acc + kRows * B * kLanes, R2, B, bias, b0, y, N, kRows);
@@ -155,40 +167,39 @@ inline void rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16
   }
   for (int64_t m = 0; m < M; m += kRows) {
     const int R = static_cast<int>(std::min<int64_t>(kRows, M - m));
-    tile_of<B, NT, true>(R, x, K, p, b0, N, m, 0, KP, acc, true);
+    tile_of<B, H, true>(R, x, K, p, b0, N, m, 0, KP, acc, true, ahead);
     finish(acc, R, B, bias, b0, y, N, m);
   }
 }
 
-template <bool NT>
+template <int H>
 void run_groups(const at::BFloat16* X, int64_t M, int64_t K, const at::BFloat16* P, int64_t NB, const float* bias,
-                at::BFloat16* Y, int64_t N) {
+                at::BFloat16* Y, int64_t N, int64_t ahead) {
   // one contiguous run of whole groups per thread, as even as the groups allow. Work items of 8 blocks split
   // SmolLM2's 576 outputs (36 blocks, 5 items) 24 : 12 between two threads; a lone row also reads one group's
-  // stream at a time (tile<1, 4>), not two. With kPrefetch 32: 1 row -12%, 8 rows -6%, 16 rows -12% over a pass
-  // of SmolLM2's projections and head (A/B in one process, AVX512-BF16 EPYC, 2 threads).
+  // stream at a time (tile<1, 4>), not two. With prefetches 32 k-pairs ahead: 1 row -12%, 8 rows -6%, 16 rows -12%
+  // over a pass of SmolLM2's projections and head (A/B in one process, AVX512-BF16 EPYC, 2 threads).
   const int64_t NG = (NB + kGroup - 1) / kGroup;
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NG));
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t be = std::min(NB, NG * (c + 1) / chunks * kGroup);
       int64_t b = NG * c / chunks * kGroup;
-      for (; b + kGroup <= be; b += kGroup) rows<kGroup, NT>(X, M, K, P, bias, b, Y, N);
-      for (; b < be; ++b) rows<1, NT>(X, M, K, P, bias, b, Y, N);  // a lone block is one latency-bound chain
+      for (; b + kGroup <= be; b += kGroup) rows<kGroup, H>(X, M, K, P, bias, b, Y, N, ahead);
+      for (; b < be; ++b) rows<1, H>(X, M, K, P, bias, b, Y, N, ahead);  // a lone block is one latency-bound chain
     }
   });
 }
 
-// ---- AMX tiles, on CPUs that have them (opt-in: `cpu_linear.amx(True)` or DRAFTHEAD_AMX=1) -------------------------
-// Why: on the AMX Xeon the vdpbf16ps tiles above reach a third of the read bandwidth at one row and grow linearly past
-// 8 rows, where oneDNN's AMX path stays flat. A packed block [K/2, 16, 2] is already the layout a `tdpbf16ps` B tile
-// reads: 16 k-pairs (rows, 64 bytes each: 16 outputs x a bf16 pair) at the group's k-pair stride. So a tile of up to
-// 16 rows of x (A: 32 bf16 a row) times a block's next 16 k-pairs adds to 16 rows x 16 outputs of fp32 (C), over K in
-// chunks of 32 in order, then `finish` as above. Each C element depends on its own row of x alone and the chunks run
-// in one order whatever the row count, so a row keeps its bits in any call; a weight takes this path for every
-// row count or for none (K % 32 == 0; others stay on the tiles above), so its rows never mix the two. Not yet
-// measured or checked for bits on an AMX machine: off unless asked for, and tests/test_cpu_linear.py checks it
-// where the CPU has AMX.
+// ---- AMX tiles, on CPUs that have them (where kernels/probe.py measures them faster, or `amx(True)`) -------------
+// Why: on the AMX Xeon the vdpbf16ps tiles above grow linearly past 8 rows, where AMX tiles stay nearly flat to 16.
+// A packed block [K/2, 16, 2] is already the layout a `tdpbf16ps` B tile reads: 16 k-pairs (rows, 64 bytes each: 16
+// outputs x a bf16 pair) at the group's k-pair stride. So a tile of up to 16 rows of x (A: 32 bf16 a row) times a
+// block's next 16 k-pairs adds to 16 rows x 16 outputs of fp32 (C), over K in chunks of 32 in order, then `finish`
+// as above. Each C element depends on its own row of x alone and the chunks run in one order whatever the row
+// count, so a row keeps its bits in any call. `tdpbf16ps` rounds differently from `vdpbf16ps`, so a weight takes
+// this path for every row count or for none (K % 32 == 0; others stay on the tiles above), and the switch is one
+// per process: its rows never mix the two. tests/test_cpu_linear.py checks the bits where the CPU has AMX.
 constexpr int64_t kAmxK = 32;    // bf16 of x a chunk: one 64-byte A row, 16 k-pairs of B
 constexpr int kAmxRows = 16;     // rows of x per A tile
 bool g_amx = false;
@@ -209,10 +220,14 @@ __attribute__((target("amx-tile"))) inline void amx_config(int R) {
   _tile_loadconfig(&c);
 }
 
-// Rows m0..m0+R-1 (R <= 16) against blocks b0..b0+B-1 of one group, over the whole of K (K % 32 == 0).
-template <int B, bool NT>
+// Rows m0..m0+R-1 (R <= 16) against blocks b0..b0+B-1 of one group, over the whole of K (K % 32 == 0). Rows past
+// 16 take another pass over the group's blocks, which T0 prefetches leave in L2 (a group of 4 blocks is 72 KB at
+// K = 576): passes over K in chunks of 256, every 16-row group over a chunk before the next, were no faster at
+// 17-128 rows (A/B in one process, AMX Xeon, 2 threads) and are not kept.
+template <int B, int H>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const at::BFloat16* x, int64_t K, const at::BFloat16* p,
-                                                           int64_t b0, int64_t N, int64_t m0, int R, float* acc) {
+                                                           int64_t b0, int64_t N, int64_t m0, int R, float* acc,
+                                                           int64_t ahead) {
   const int64_t KP = K / 2, NB = (N + kLanes - 1) / kLanes;
   const int64_t g0 = b0 / kGroup * kGroup;
   const int64_t width = std::min<int64_t>(kGroup, NB - g0);  // blocks side by side in this group
@@ -227,8 +242,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const at::BFloat16* x
   if constexpr (B > 3) _tile_zero(3);
   for (int64_t kc = 0; kc < K; kc += kAmxK) {
     const at::BFloat16* w = base + (kc / 2) * kstride;  // k-pair kc/2 of block b0
-    const char* ahead = reinterpret_cast<const char*>(w + 2 * kAmxK / 2 * kstride);  // two chunks on
-    for (int64_t l = 0; l < 16 * bstride; l += 64) _mm_prefetch(ahead + l, NT ? _MM_HINT_NTA : _MM_HINT_T0);
+    const char* next = reinterpret_cast<const char*>(w + ahead * kstride);  // `ahead` k-pairs on
+    for (int64_t l = 0; l < 16 * bstride; l += 64) prefetch<H>(next + l);
     _tile_loadd(4, xa + kc, K * 2);
     _tile_loadd(5, w, bstride);
     _tile_dpbf16ps(0, 4, 5);
@@ -245,10 +260,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_tile(const at::BFloat16* x
 
 __attribute__((target("amx-tile"))) void amx_release() { _tile_release(); }
 
-template <bool NT>
-void amx_groups(const at::BFloat16* X, int64_t M, int64_t K,
-                                                    const at::BFloat16* P, int64_t NB, const float* bias,
-                                                    at::BFloat16* Y, int64_t N) {
+template <int H>
+void amx_groups(const at::BFloat16* X, int64_t M, int64_t K, const at::BFloat16* P, int64_t NB, const float* bias,
+                at::BFloat16* Y, int64_t N, int64_t ahead) {
   static_assert(kGroup == 4, "the AMX tiles hold a group's 4 blocks in C tiles 0-3");
   const int64_t NG = (NB + kGroup - 1) / kGroup;
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NG));
@@ -261,10 +275,10 @@ void amx_groups(const at::BFloat16* X, int64_t M, int64_t K,
         for (int64_t m = 0; m < M; m += kAmxRows) {
           const int R = static_cast<int>(std::min<int64_t>(kAmxRows, M - m));
           switch (B) {
-            case 4: amx_tile<4, NT>(X, K, P, b0, N, m, R, acc); break;
-            case 3: amx_tile<3, NT>(X, K, P, b0, N, m, R, acc); break;
-            case 2: amx_tile<2, NT>(X, K, P, b0, N, m, R, acc); break;
-            default: amx_tile<1, NT>(X, K, P, b0, N, m, R, acc); break;
+            case 4: amx_tile<4, H>(X, K, P, b0, N, m, R, acc, ahead); break;
+            case 3: amx_tile<3, H>(X, K, P, b0, N, m, R, acc, ahead); break;
+            case 2: amx_tile<2, H>(X, K, P, b0, N, m, R, acc, ahead); break;
+            default: amx_tile<1, H>(X, K, P, b0, N, m, R, acc, ahead); break;
           }
           finish(acc, R, B, bias, b0, Y, N, m);
         }
@@ -289,17 +303,35 @@ std::string amx_set(bool on) {
 
 // y [M, N] = x [M, K] @ the packed weight (+ bias, fp32) on raw pointers: what `linear` runs, and what the fp32
 // extension's fused decode layer calls through the capsule `LINEAR` (its small ops live there, this kernel here).
-// stream: prefetch the weight non-temporally (see tile); the bits are the same either way.
+// stream: the weight is read once a forward, prefetched with the stream setting (g_hint); the bits are the same
+// either way.
+template <int H>
+void linear_hint(const at::BFloat16* X, int64_t M, int64_t K, const at::BFloat16* P, int64_t NB, const float* bias,
+                 at::BFloat16* Y, int64_t N, int64_t ahead) {
+  if (g_amx && K % kAmxK == 0) amx_groups<H>(X, M, K, P, NB, bias, Y, N, ahead);
+  else run_groups<H>(X, M, K, P, NB, bias, Y, N, ahead);
+}
+
 void linear_raw(const at::BFloat16* X, int64_t M, int64_t K, const at::BFloat16* P, int64_t NB, const float* bias,
                 at::BFloat16* Y, int64_t N, bool stream) {
-  if (g_amx && K % kAmxK == 0) {
-    if (stream) amx_groups<true>(X, M, K, P, NB, bias, Y, N);
-    else amx_groups<false>(X, M, K, P, NB, bias, Y, N);
-  } else if (stream) {
-    run_groups<true>(X, M, K, P, NB, bias, Y, N);
-  } else {
-    run_groups<false>(X, M, K, P, NB, bias, Y, N);
+  const int64_t ahead = g_ahead[stream];
+  switch (g_hint[stream]) {
+    case kNta: linear_hint<kNta>(X, M, K, P, NB, bias, Y, N, ahead); break;
+    case kT1: linear_hint<kT1>(X, M, K, P, NB, bias, Y, N, ahead); break;
+    default: linear_hint<kT0>(X, M, K, P, NB, bias, Y, N, ahead); break;
   }
+}
+
+// Sets how plain (stream=false) and streamed weights are prefetched: hint 0 NTA, 1 T0, 2 T1; ahead in k-pairs.
+void stream_set(int64_t plain_hint, int64_t plain_ahead, int64_t stream_hint, int64_t stream_ahead) {
+  TORCH_CHECK(plain_hint >= 0 && plain_hint <= 2 && stream_hint >= 0 && stream_hint <= 2,
+              "stream_set: hints are 0 (NTA), 1 (T0) or 2 (T1)");
+  TORCH_CHECK(plain_ahead >= 1 && plain_ahead <= 1024 && stream_ahead >= 1 && stream_ahead <= 1024,
+              "stream_set: ahead is 1..1024 k-pairs");
+  g_hint[0] = static_cast<int>(plain_hint);
+  g_hint[1] = static_cast<int>(stream_hint);
+  g_ahead[0] = plain_ahead;
+  g_ahead[1] = stream_ahead;
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
@@ -363,5 +395,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("ROWS") = kRows;
   m.def("amx_set", &amx_set, "turn the AMX tile path on (asking Linux for the tile state) or off; '' or why not");
   m.def("amx_on", []() { return g_amx; });
-  m.attr("LINEAR") = py::capsule(reinterpret_cast<void*>(&linear_raw), "drafthead.bf16_linear");  // blocks side by side per k-pair: cpu_linear.concat regroups joined parts by it
+  m.def("stream_set", &stream_set, "prefetch hints (0 NTA, 1 T0, 2 T1) and distances (k-pairs) of plain and streamed "
+        "weights", py::arg("plain_hint"), py::arg("plain_ahead"), py::arg("stream_hint"), py::arg("stream_ahead"));
+  m.def("stream_get", []() { return std::vector<int64_t>{g_hint[0], g_ahead[0], g_hint[1], g_ahead[1]}; });
+  // blocks side by side per k-pair: cpu_linear.concat regroups joined parts by it
+  m.attr("LINEAR") = py::capsule(reinterpret_cast<void*>(&linear_raw), "drafthead.bf16_linear");
 }

@@ -76,14 +76,16 @@ def tile_path(kind: str, rows: int) -> str:
     """Which tile path the projections of a `rows`-row call take in the kernel of this kind (for reports)."""
     ext = extension.ext(kind)
     if kind == "bf16":
+        hint, ahead = extension.prefetch()["stream"]
+        pf = f"; a target's weights prefetched {hint.upper()} {ahead} k-pairs ahead"
         if extension.amx():
             return (f"bf16 AMX, {min(rows, 16)}-row tiles x 64 outputs over K chunks of 32 (weights with K % 32 == 0;"
-                    f" others as without AMX)")
+                    f" others as without AMX){pf}")
         if rows <= ext.ROWS:
-            return f"bf16 AVX512-BF16, one {rows}-row tile x 64 outputs over K"
+            return f"bf16 AVX512-BF16, one {rows}-row tile x 64 outputs over K{pf}"
         if rows <= 2 * ext.ROWS:
-            return f"bf16 AVX512-BF16, two tiles of <= {ext.ROWS} rows sharing K chunks"
-        return f"bf16 AVX512-BF16, {ext.ROWS}-row tiles one after another over K"
+            return f"bf16 AVX512-BF16, two tiles of <= {ext.ROWS} rows sharing K chunks{pf}"
+        return f"bf16 AVX512-BF16, {ext.ROWS}-row tiles one after another over K{pf}"
     if rows == 1:
         return "fp32, 1 row x 48 outputs in 8 lanes"
     if extension.avx512_tiles():

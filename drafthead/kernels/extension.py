@@ -141,9 +141,10 @@ def ext(kind: str) -> ModuleType:
 
 def amx(on: bool | None = None) -> bool:
     """Whether bf16 projections whose K is a multiple of 32 run AMX tiles (`tdpbf16ps`) instead of the AVX512-BF16
-    tiles; `on` turns the path on or off first. Off by default: it is not yet measured or checked for bits on an
-    AMX machine (DRAFTHEAD_AMX=1 turns it on when the extension loads). Turning it on where the CPU has no AMX, or
-    where Linux refuses the tile state, raises a RuntimeError naming why, and the path stays off."""
+    tiles; `on` turns the path on or off first. Off when the extension loads; the runtime turns it on where
+    `kernels/probe.py` measured it faster (DRAFTHEAD_AMX=1 / 0 forces it). Switch it only between runs: the two
+    paths round differently, and a row must get the same bits in a verify block as alone. Turning it on where the
+    CPU has no AMX, or where Linux refuses the tile state, raises a RuntimeError naming why, and the path stays off."""
     mod = ext("bf16")
     if on is not None:
         if on:
@@ -155,6 +156,29 @@ def amx(on: bool | None = None) -> bool:
         if why:
             raise RuntimeError(f"AMX tiles: {why}")
     return bool(mod.amx_on())
+
+
+HINTS = ("nta", "t0", "t1")  # prefetch hints of the bf16 kernel's weight streams, in the extension's numbering
+
+
+def prefetch(plain: tuple[str, int] | None = None, stream: tuple[str, int] | None = None
+             ) -> dict[str, tuple[str, int]]:
+    """How the bf16 kernel prefetches weights: (hint, k-pairs ahead) for plain weights (a draft's) and for streamed
+    ones (a target's, read once a forward); given ones are set first. `kernels/probe.py` picks them on the machine;
+    the bits never depend on them."""
+    mod = ext("bf16")
+    ph, pa, sh, sa = mod.stream_get()
+    now = {"plain": (HINTS[ph], int(pa)), "stream": (HINTS[sh], int(sa))}
+    if plain is None and stream is None:
+        return now
+    new = {"plain": plain or now["plain"], "stream": stream or now["stream"]}
+    for name, (hint, ahead) in new.items():
+        if hint not in HINTS or not 1 <= int(ahead) <= 1024:
+            raise ValueError(f"prefetch {name}=({hint!r}, {ahead}): the hint is one of {', '.join(HINTS)}, "
+                             f"ahead 1..1024 k-pairs")
+    mod.stream_set(HINTS.index(new["plain"][0]), int(new["plain"][1]), HINTS.index(new["stream"][0]),
+                   int(new["stream"][1]))
+    return new
 
 
 def avx512_tiles(on: bool | None = None) -> bool:

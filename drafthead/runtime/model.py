@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead import hardware
-from drafthead.kernels import cpu_linear, extension, hugepages, packing
+from drafthead.kernels import cpu_linear, extension, hugepages, packing, probe
+from drafthead.runtime import graphs
 from drafthead.layers import apply_rope, take_rows, write_kv
 from drafthead.target import base_model, check_layer_ids, decoder_layers
 
@@ -81,8 +82,8 @@ class TargetModel:
         self.dtype, self.device = p.dtype, p.device
         self.chunk_rows = self.dtype == torch.bfloat16 and self.device.type == "cpu"
         # On CPU, generated tokens (decode steps, verify blocks) go through the packed kernel of the dtype
-        # (bf16: AVX512-BF16; fp32: AVX2/FMA), and so do prompts except on AMX CPUs (`prompt_kernel`), where they
-        # go through oneDNN; both are row-invariant, each on its own side.
+        # (bf16: AVX512-BF16 or AMX tiles; fp32: AVX2/FMA), and so do prompts except where oneDNN's AMX tiles are
+        # faster (`prompt_kernel`); both are row-invariant, each on its own side.
         dims = (c.hidden_size, c.intermediate_size, self.head_dim * c.num_attention_heads)
         # the CPU decode kernels pack dense projections only: an MoE target runs oneDNN / HF's blocks, said once
         kind = cpu_linear.kind_for(self.dtype) if self.device.type == "cpu" and not any(self.moe) else None
@@ -91,15 +92,19 @@ class TargetModel:
         self.decode_kernel = bool(kind and (kind == "fp32" or all(d % 2 == 0 for d in dims))
                                   and extension.available(kind))
         self.kernel = kind if self.decode_kernel else None  # for reports: which kernel runs generated tokens
+        if self.kernel == "bf16":  # its tile path and prefetches as timed on this machine (once, then cached)
+            probe.tuned()
         # generated tokens' attention, norms, RoPE and SiLU-and-multiply: the fp32 extension's row-invariant ops
         # (fp32 math for fp32 and bf16 tokens, one call each) where they run; else torch's, and SDPA calls of a
         # fixed query count for attention (`attend`)
         self.decode_ops = bool(self.decode_kernel and self.head_dim % 8 == 0 and extension.available("fp32"))
         # prompts through the decode kernels too (faster than oneDNN at every row count measured, 1-512, on the
-        # AVX512-BF16 and AVX2 classes: docs/experiment_log.md, "Figures behind code choices"), except on AMX CPUs,
-        # whose oneDNN tiles are built for many rows (not measured against the kernels there). Batched regeneration
-        # and batched eval run these same paths; `paths()` says which in their logs.
-        self.prompt_kernel = self.decode_ops and hardware.cpu_class() != "AMX"
+        # AVX512-BF16 and AVX2 classes: docs/experiment_log.md, "Figures behind code choices"). On AMX CPUs oneDNN
+        # runs AMX tiles: the bf16 kernel beats it at 32-512 rows when the probe put the kernel on AMX tiles too,
+        # and loses from 128 rows on its AVX512-BF16 tiles, as the fp32 kernel does. Batched regeneration and
+        # batched eval run these same paths; `paths()` says which in their logs.
+        self.prompt_kernel = self.decode_ops and (hardware.cpu_class() != "AMX"
+                                                  or (self.kernel == "bf16" and extension.amx()))
         self.silu = getattr(c, "hidden_act", None) == "silu"
         # generated tokens' layers in one call each (`packing.decode_layer`: the same kernels and ops, the same
         # bits, without the Python and dispatch between them); False runs them op by op (tests compare the two)
@@ -111,6 +116,10 @@ class TargetModel:
         self.weights = weights or "fp32"
         if weights is not None and weights != "fp32":
             self._compress(weights)
+        # decode and verify forwards through static buffers, replayed as CUDA graphs (`runtime/graphs.py`); None
+        # runs every forward eagerly (CPU; CUDA with DRAFTHEAD_CUDA_GRAPHS=0). Tests set a graph-less one on CPU.
+        self.static: graphs.StaticForward | None = (graphs.StaticForward(self, graphs=True)
+                                                    if graphs.enabled(self.device) else None)
 
     def projections(self) -> list[nn.Linear]:
         """Every weight a generated token streams: the layers' projections and the head."""
@@ -190,8 +199,9 @@ class TargetModel:
         if not self.decode_kernel:
             return "prompts and generated tokens: torch (oneDNN on CPU)"
         prompts = (f"the {self.kernel} decode kernel" if self.prompt_kernel
-                   else "oneDNN (AMX tiles; not measured against the kernel)")
-        return (f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel (row-invariant), "
+                   else "oneDNN (AMX tiles)")
+        tuned = f" ({probe.describe()})" if self.kernel == "bf16" else ""
+        return (f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel{tuned} (row-invariant), "
                 f"packed weights on {hugepages.pages()}")
 
     def multiply_adds(self) -> int:
@@ -209,7 +219,9 @@ class TargetModel:
         return LayersView(self)
 
     def new_cache(self, batch: int, capacity: int) -> torch.Tensor:
-        """Zeroed KV cache [B, L*2*kvh, S, D]."""
+        """Zeroed KV cache [B, L*2*kvh, S, D] (with CUDA graphs on: the static one for (B, S), zeroed)."""
+        if self.static is not None and self.static.graphs:
+            return self.static.cache(batch, capacity)
         return torch.zeros(batch, self.num_layers * 2 * self.num_kv_heads, capacity, self.head_dim,
                            dtype=self.dtype, device=self.device)
 
@@ -221,8 +233,8 @@ class TargetModel:
     @torch.inference_mode()
     def forward(self, cache: torch.Tensor, input_ids: torch.Tensor, lens: torch.Tensor,
                 tree_mask: torch.Tensor | None = None, depth: torch.Tensor | None = None,
-                logits_at: torch.Tensor | None = None, capture: bool = False, prefill: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                logits_at: torch.Tensor | None = None, capture: bool = False, prefill: bool = False,
+                static: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run T new tokens per request and write their K/V at slots lens[b] .. lens[b]+T-1.
 
         Args:
@@ -238,13 +250,19 @@ class TargetModel:
                 (oneDNN for prompts, the packed decode kernels for generated tokens); a token must always be fed
                 the same way, so the runtime passes True for prompts and False for every decode step and verify
                 block.
+            static: the call comes from `graphs.StaticForward` (and may be captured into a CUDA graph): no host
+                syncs, K/V written by index; the caller checked the capacity.
         Returns (logits [B, T or 1, V], aux [B, T, len(aux)*H] or None).
         """
+        if (not static and self.static is not None and not prefill and logits_at is None
+                and self.static.usable(cache, input_ids, lens)):
+            return self.static.run(cache, input_ids, lens, tree_mask, depth, capture)
         prefill = prefill and not self.prompt_kernel
         B, T = input_ids.shape
         offs = torch.arange(T, device=input_ids.device)
         positions = lens[:, None] + (offs if depth is None else depth)  # [B, T]
-        start = int(lens[0]) if bool((lens == lens[0]).all()) else None  # all requests aligned: slice writes
+        # all requests aligned: slice writes (a host sync, so not in a static call)
+        start = int(lens[0]) if not static and bool((lens == lens[0]).all()) else None
         # Batch invariance: a token's logits must not depend on how many tokens share its forward, or a
         # near-tie argmax can flip between a verify block and plain decoding. On CPU, generated tokens go through
         # the extension's projections, attention and small ops, each row-invariant by construction. Without them,
@@ -252,7 +270,7 @@ class TargetModel:
         # runs in fixed-size query calls over the whole cache (`attend`); fp32 oneDNN matmuls switch kernels by
         # row count, so there equality holds up to rounding.
         S = cache.shape[2]
-        if int(lens.max()) + T > S:
+        if not static and int(lens.max()) + T > S:
             raise ValueError(f"KV cache overflow: {int(lens.max())} cached + {T} new tokens > capacity {S}")
         mask = attention_mask(lens, T, S, tree_mask)  # [B, 1, T, S]
         slots = lens[:, None] + offs  # [B, T]

@@ -1,0 +1,124 @@
+"""The bf16 kernel probe (`kernels/probe.py`): its choice from timings (fake ones here, so the logic is checked on
+every CPU class), its cache, and its switches. Bits on each path it can pick: tests/test_runtime.py, forced."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafthead import hardware
+from drafthead.kernels import extension, probe
+from drafthead.kernels.probe import Setting
+
+
+def _ms(table: dict[Setting, tuple[float, ...]]) -> dict[Setting, dict[int, float]]:
+    return {s: dict(zip(probe.ROWS, v)) for s, v in table.items()}
+
+
+def test_the_choice_weighs_every_row_count_not_the_fastest_single_row() -> None:
+    """The tile path is one for all row counts (the two paths round differently): a path fastest at 1 row by 10%
+    but 2.3x slower at 16 loses to one that is close everywhere; each row count's fastest is still reported."""
+    avx = Setting("avx512", "t1", 32)
+    amx = Setting("amx", "t0", 16)
+    ms = _ms({avx: (9.3, 10.6, 23.4), amx: (10.4, 10.2, 10.6), probe.BUILT_IN: (22.0, 18.3, 55.6)})
+    pick, rows = probe.choose(ms)
+    assert pick == amx
+    assert rows["1"]["fastest"] == avx.name() and rows["1"]["chosen_ms"] == 10.4 and rows["1"]["built_in_ms"] == 22.0
+    assert rows["16"]["fastest"] == Setting("amx", "t0", 16).name()
+    # a tie keeps the built-in setting
+    assert probe.choose(_ms({avx: (10, 10, 10), probe.BUILT_IN: (10, 10, 10)}))[0] == probe.BUILT_IN
+
+
+def test_measure_takes_turns_and_keeps_the_median() -> None:
+    """Candidates take turns round by round, the order rotating, and the median of the rounds is kept: one slow
+    reading (the machine busy for a moment) does not decide."""
+    a, b = Setting("avx512", "t0", 16), Setting("avx512", "t1", 64)
+    calls: list[tuple[Setting, int]] = []
+    slow_once = {"done": False}
+
+    def timer(s: Setting, rows: int) -> float:
+        calls.append((s, rows))
+        if s == b and not slow_once["done"]:
+            slow_once["done"] = True
+            return 100.0
+        return {a: 2.0, b: 1.0}[s] * rows
+
+    ms = probe.measure([a, b], rows=(1, 4), rounds=3, timer=timer)
+    assert [s for s, r in calls if r == 1] == [a, b, b, a, a, b]  # rotated each round
+    assert ms[b] == {1: 1.0, 4: 4.0} and ms[a] == {1: 2.0, 4: 8.0}
+
+
+@pytest.fixture
+def fresh_probe(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    if not extension.available("bf16"):
+        pytest.skip(f"bf16 kernel: {extension.unavailable_reason('bf16')}")
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path))
+    monkeypatch.delenv("DRAFTHEAD_KERNEL_PROBE", raising=False)
+    monkeypatch.delenv("DRAFTHEAD_AMX", raising=False)
+    before = (extension.amx(), extension.prefetch())
+    monkeypatch.setattr(probe, "_applied", None)
+    monkeypatch.setattr(probe, "_report", None)
+    yield tmp_path
+    extension.amx(before[0])
+    extension.prefetch(**before[1])
+
+
+def _fake_timer(calls: list):
+    def make(probe_mb: int):
+        def timer(s: Setting, rows: int) -> float:
+            calls.append(s)
+            return 1.0 if s == Setting("avx512", "t1", 64) else 2.0
+        return timer
+    return make
+
+
+def test_tuned_measures_once_caches_and_applies(fresh_probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[Setting] = []
+    monkeypatch.setattr(probe, "_pass_timer", _fake_timer(calls))
+    s = probe.tuned()
+    assert s == Setting("avx512", "t1", 64) and calls
+    assert extension.amx() is False and extension.prefetch() == {"plain": ("t1", 64), "stream": ("t1", 64)}
+    on_disk = json.loads(probe.cache_path().read_text())
+    assert on_disk["chosen"] == {"path": "avx512", "hint": "t1", "ahead": 64}
+    assert on_disk["cpu_class"] == hardware.cpu_class() and set(on_disk["rows"]) == {"1", "4", "16"}
+    assert len(on_disk["candidates"]) == len(probe.candidates())
+    # a new process (state reset) reads the cache and measures nothing
+    monkeypatch.setattr(probe, "_applied", None)
+    extension.prefetch(plain=("t0", 32), stream=("nta", 32))
+    n = len(calls)
+    assert probe.tuned() == s and len(calls) == n
+    assert extension.prefetch()["stream"] == ("t1", 64)
+    assert "probed here" in probe.describe() and "T1 64 ahead" in probe.describe()
+    # a damaged cache file is measured again, not trusted
+    probe.cache_path().write_text("{not json")
+    monkeypatch.setattr(probe, "_applied", None)
+    assert probe.tuned() == s and len(calls) > n
+
+
+def test_probe_off_and_forced_paths(fresh_probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAFTHEAD_KERNEL_PROBE", "0")
+    monkeypatch.setattr(probe, "_pass_timer", lambda mb: pytest.fail("the probe is off: nothing is timed"))
+    assert probe.tuned() == probe.BUILT_IN
+    assert extension.prefetch() == {"plain": ("t0", 32), "stream": ("nta", 32)} and extension.amx() is False
+    assert not list(fresh_probe.glob("kernel_probe/*"))
+    monkeypatch.setenv("DRAFTHEAD_AMX", "0")
+    assert {c.path for c in probe.candidates()} == {"avx512"}
+    if "amx" in probe.cpu_paths():
+        monkeypatch.setenv("DRAFTHEAD_AMX", "1")
+        assert {c.path for c in probe.candidates()} == {"amx"}
+        assert len(probe.candidates()) == len(extension.HINTS) * len(probe.AHEAD)
+
+
+def test_use_forces_a_setting_and_puts_back_the_one_before(fresh_probe) -> None:
+    before = (extension.amx(), extension.prefetch())
+    for path in probe.cpu_paths():
+        with probe.use(Setting(path, "t1", 16)):
+            assert extension.amx() is (path == "amx") and extension.prefetch()["stream"] == ("t1", 16)
+        assert (extension.amx(), extension.prefetch()) == before
+
+
+def test_prefetch_settings_are_checked(fresh_probe) -> None:
+    with pytest.raises(ValueError, match="hint is one of nta, t0, t1"):
+        extension.prefetch(stream=("t3", 32))
+    with pytest.raises(ValueError, match="ahead 1..1024"):
+        extension.prefetch(plain=("t0", 0))
