@@ -47,6 +47,16 @@ def test_recipe_values_override_defaults_and_cli_overrides_recipe():
     assert cfg.train.lr == 1e-4  # from the recipe, untouched
 
 
+def test_gpu_recipes_train_on_the_targets_own_answers():
+    """The GPU recipes regenerate by default (speculators' advice; `engine=auto` takes vLLM where its environment
+    works); the CPU defaults and the tensor-parallel 70B recipe, which cannot regenerate on a split target, do not."""
+    for name in RECIPES:
+        cfg = load_config([f"recipe={name}"])
+        gpu = name.endswith(("_qwen", "_qwen35", "_llama"))
+        assert cfg.data.regenerate.enabled is gpu, name
+        assert cfg.data.regenerate.engine == "auto", name
+
+
 def test_resolved_yaml_loads_back(tmp_path):
     cfg = load_config(["recipe=eagle3_llama", "train.max_steps=7", "data.regenerate.enabled=true"])
     p = tmp_path / "config.yaml"

@@ -2,7 +2,10 @@
 every CPU class), its cache, and its switches. Bits on each path it can pick: tests/test_runtime.py, forced."""
 from __future__ import annotations
 
+import fcntl
 import json
+import threading
+import time
 
 import pytest
 
@@ -93,6 +96,27 @@ def test_tuned_measures_once_caches_and_applies(fresh_probe, monkeypatch: pytest
     probe.cache_path().write_text("{not json")
     monkeypatch.setattr(probe, "_applied", None)
     assert probe.tuned() == s and len(calls) > n
+
+
+def test_a_second_process_waits_for_the_first_probe_and_reads_its_choice(fresh_probe,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processes started together on a new machine: one measures (holding the cache's lock), the others wait and
+    read its choice instead of timing each other's load."""
+    calls: list[Setting] = []
+    monkeypatch.setattr(probe, "_pass_timer", _fake_timer(calls))
+    path = probe.cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".lock", "w") as lock:  # another process is measuring
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        got: dict[str, Setting] = {}
+        waiter = threading.Thread(target=lambda: got.setdefault("s", probe.tuned()))
+        waiter.start()
+        time.sleep(0.3)
+        assert waiter.is_alive() and not calls  # waiting on the lock, not measuring
+        path.write_text(json.dumps({"chosen": {"path": "avx512", "hint": "t0", "ahead": 64}}))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    waiter.join(10)
+    assert got["s"] == Setting("avx512", "t0", 64) and not calls
 
 
 def test_probe_off_and_forced_paths(fresh_probe, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ k-pairs ahead); `DRAFTHEAD_AMX=1` or `0` forces the path and the probe tunes the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -149,7 +150,7 @@ def _pass_timer(probe_mb: int):
 def tuned() -> Setting:
     """The bf16 kernel's setting for this machine, applied: from the cache, else measured now (a few seconds, once)
     and cached. BUILT_IN where the probe is off or the bf16 kernel is unavailable."""
-    global _applied, _report
+    global _applied
     if _applied is not None:
         apply(_applied)  # again: a test or an earlier run may have switched the kernel since
         return _applied
@@ -159,29 +160,52 @@ def tuned() -> Setting:
             apply(BUILT_IN)
         return _applied
     path = cache_path()
-    try:
-        _report = json.loads(path.read_text())
-        s = Setting(**_report["chosen"])
-    except (OSError, ValueError, KeyError, TypeError):
-        s = None
-    if s is None or s not in candidates():
-        t0 = time.perf_counter()
-        cands = candidates()
-        threads = torch.get_num_threads()
-        ms = measure(cands)
-        s, per_rows = choose(ms)
-        _report = {"chosen": asdict(s), "name": s.name(), "cpu_class": hardware.cpu_class(),
-                   "cpu_model": hardware._cpuinfo().get("model name", "?"), "threads": threads,
-                   "seconds": round(time.perf_counter() - t0, 1), "rows": per_rows,
-                   "candidates": {c.name(): {str(r): round(v, 3) for r, v in by.items()} for c, by in ms.items()}}
-        from drafthead.io import atomic_write_json
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(path, _report)
-        except OSError as e:  # a read-only cache costs a probe per process, not the run
-            warnings.warn(f"drafthead: the kernel probe's choice could not be cached ({path}: {e})", stacklevel=2)
+    s = _read(path)
+    if s is None:
+        # one process measures at a time (two timing each other's load would cache a choice made on a busy machine);
+        # the others wait, then read what it wrote
+        with contextlib.ExitStack() as held:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fcntl.flock(held.enter_context(open(path.parent / ".lock", "w")), fcntl.LOCK_EX)
+            except OSError:  # a read-only cache: measure without the lock (and say so when writing)
+                pass
+            s = _read(path) or _measure_and_cache(path)
     apply(s)
     _applied = s
+    return s
+
+
+def _read(path: Path) -> Setting | None:
+    """The cached choice, or None where there is none, it does not parse, or it is not a candidate here."""
+    global _report
+    try:
+        report = json.loads(path.read_text())
+        s = Setting(**report["chosen"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if s not in candidates():
+        return None
+    _report = report
+    return s
+
+
+def _measure_and_cache(path: Path) -> Setting:
+    global _report
+    t0 = time.perf_counter()
+    cands = candidates()
+    threads = torch.get_num_threads()
+    ms = measure(cands)
+    s, per_rows = choose(ms)
+    _report = {"chosen": asdict(s), "name": s.name(), "cpu_class": hardware.cpu_class(),
+               "cpu_model": hardware._cpuinfo().get("model name", "?"), "threads": threads,
+               "seconds": round(time.perf_counter() - t0, 1), "rows": per_rows,
+               "candidates": {c.name(): {str(r): round(v, 3) for r, v in by.items()} for c, by in ms.items()}}
+    from drafthead.io import atomic_write_json
+    try:
+        atomic_write_json(path, _report)
+    except OSError as e:  # a read-only cache costs a probe per process, not the run
+        warnings.warn(f"drafthead: the kernel probe's choice could not be cached ({path}: {e})", stacklevel=2)
     return s
 
 
