@@ -658,4 +658,5 @@ FAMILY = Family(
                "gguf": "drafthead.export.dflash:to_gguf"},
     readers={"dflash": "drafthead.export.dflash:read_back", "speculators": "drafthead.export.dflash:read_back",
              "gguf": "drafthead.export.dflash:read_back_gguf"},
+    vllm={"dflash": "dflash", "speculators": "dflash"},  # vLLM's DFlashProposer; on CPU with enforce_eager
 )

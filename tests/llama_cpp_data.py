@@ -48,6 +48,14 @@ def continuations(bins: Path, questions: list[str], n_predict: int, extra: int, 
     for p, c in zip(prompts, longer, strict=True):
         n_prompts.append(len(tok(p, add_special_tokens=False).input_ids))
         seqs.append(torch.tensor(tok(p + c.text, add_special_tokens=False).input_ids))
+    return Continuations(target, target_gguf, prompts, alone, longer, *one_hot_batch(target, seqs, n_prompts, mask_from))
+
+
+def one_hot_batch(target: Any, seqs: list[torch.Tensor], n_prompts: list[int], mask_from: int = 0
+                  ) -> tuple[torch.Tensor, ...]:
+    """Prompt + continuation token sequences -> (input_ids, attn, loss_mask, argmax, teacher) to overfit a draft on:
+    right-padded, the loss from `mask_from` tokens after each last prompt token on, the teacher the one-hot of the
+    next token (what the target decoded)."""
     T = max(len(s) for s in seqs)
     input_ids = torch.zeros(len(seqs), T, dtype=torch.long)
     attn = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -58,15 +66,16 @@ def continuations(bins: Path, questions: list[str], n_predict: int, extra: int, 
     nxt = torch.roll(input_ids, -1, dims=1)
     argmax = nxt.masked_fill(~torch.roll(attn, -1, dims=1).bool(), -1)
     teacher = torch.zeros(*input_ids.shape, target.config.vocab_size).scatter_(-1, nxt[..., None], 1.0)
-    return Continuations(target, target_gguf, prompts, alone, longer, input_ids, attn, loss_mask, argmax, teacher)
+    return input_ids, attn, loss_mask, argmax, teacher
 
 
 def overfit_drafts(new_drafter: Callable[[], Any], data: Continuations, aux: torch.Tensor, steps: dict[str, int],
-                   root: Path, untrained: str | None, summary: Callable[[dict], str]) -> tuple[dict[str, Any],
-                                                                                             dict[str, Path]]:
+                   root: Path, untrained: str | None, summary: Callable[[dict], str], gguf: bool = True
+                   ) -> tuple[dict[str, Any], dict[str, Path]]:
     """Drafts from `new_drafter()` (each call the same seeded start), one per name in `steps`, trained that many AdamW
     steps on `data` with target features `aux`, plus one left untrained under the name `untrained` (None: none);
-    `summary(out)` says what to print of a draft's last step. Returns the drafts and their GGUF exports under `root`."""
+    `summary(out)` says what to print of a draft's last step. Returns the drafts and their GGUF exports under `root`
+    (none where `gguf` is False)."""
     t0 = time.perf_counter()
     drafters = {untrained: new_drafter().eval()} if untrained else {}
     for name, n in steps.items():
@@ -83,14 +92,15 @@ def overfit_drafts(new_drafter: Callable[[], Any], data: Continuations, aux: tor
         drafters[name] = d.eval()
         print(f"[{time.perf_counter() - t0:.0f}s] {name}: {n} steps, loss {out['loss'].item():.3f}, {summary(out)}")
     files = {name: export(save_draft(d, root / name, data.target.info()), "gguf", root / f"{name}.gguf")
-             for name, d in drafters.items()}
+             for name, d in drafters.items()} if gguf else {}
     return drafters, files
 
 
-def overfit_block_drafts(model_cls: type, cfg: Any, data: Continuations, steps: dict[str, int], root: Path,
-                         untrained: bool = False) -> tuple[dict[str, Any], dict[str, Path]]:
+def overfit_block_drafts(model_cls: type, cfg: Any, data: Any, steps: dict[str, int], root: Path,
+                         untrained: bool = False, gguf: bool = True) -> tuple[dict[str, Any], dict[str, Path]]:
     """Block drafts (DFlash, DSpark) of `cfg` through `overfit_drafts`, each starting from seed 1 with the target's
-    embedding, head and final norm, plus an untrained "random" one where asked."""
+    embedding, head and final norm, plus an untrained "random" one where asked. `data`: a `Continuations`, or anything
+    with its `target` and batch fields."""
     target = data.target
     aux, _ = capture(target.model, data.input_ids, data.attn, [i + 1 for i in cfg.target_layer_ids])  # [B, T, 3H]
 
@@ -105,7 +115,8 @@ def overfit_block_drafts(model_cls: type, cfg: Any, data: Continuations, steps: 
 
     return overfit_drafts(new_drafter, data, aux, steps, root, "random" if untrained else None,
                           lambda out: "block accept {:.2f}".format(float(out["ratios"]["block_accept_len"][0]
-                                                                         / out["ratios"]["block_accept_len"][1])))
+                                                                         / out["ratios"]["block_accept_len"][1])),
+                          gguf=gguf)
 
 
 def run_block_drafts(bins: Path, data: Continuations, draft: Path, n_predict: int, n_draft: int, threads: int,

@@ -78,7 +78,8 @@ def world(vllm_python, tmp_path_factory) -> dict:
     draft = save_draft(fit.trained, root / "draft", target.info())
     ours = SpeculativeGenerator(target, fit.trained).generate(prompts, MAX_TOKENS,
                                                               SpecConfig(mode="chain", num_speculative_tokens=K))
-    return dict(target=target, model=model, prompts=prompts, alone=alone, draft=draft, ours=ours, root=root)
+    return dict(target=target, model=model, prompts=prompts, alone=alone, longer=longer, draft=draft, ours=ours,
+                root=root)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,44 @@ def test_every_eagle3_layout_vllm_reads_is_the_same_draft_to_it(world, eval_repo
                        spec=vllm.speculative_config(FAMILIES["eagle3"].vllm[fmt], out, K))
         assert run.outputs == alone, f"{fmt}: differs from vLLM without speculation"
         assert run.spec == first["spec_counters"], (fmt, run.spec, fmt0, first["spec_counters"])
+
+
+@pytest.mark.slow
+def test_dflash_layouts_vllm_serves_losslessly_at_our_acceptance(world, vllm_python, tmp_path):
+    """A DFlash draft (blocks of K + 1, 150 steps on the target's own continuations: partly accepted at every position;
+    12 steps had accepted nothing past the first) in each layout vLLM reads
+    (`to=dflash`, `to=speculators`; vLLM's DFlash proposer, eager on CPU): greedy ids equal vLLM alone on every
+    prompt, and acceptance by position within 0.03 of our runtime's block mode with the same K drafts."""
+    from types import SimpleNamespace
+
+    from drafthead.dflash import DflashDrafter, DflashOptions
+    from drafthead.dflash import build as build_dflash
+    from tests.llama_cpp_data import one_hot_batch, overfit_block_drafts
+
+    target = world["target"]
+    seqs = [torch.tensor(p + o) for p, o in zip(world["prompts"], world["longer"], strict=True)]
+    data = SimpleNamespace(target=target, **dict(zip(("input_ids", "attn", "loss_mask", "argmax", "teacher"),
+                                                      one_hot_batch(target, seqs, [len(p) for p in world["prompts"]]))))
+    opts = DflashOptions(num_layers=1, block_size=K + 1, mask_token_id=16, target_layer_ids=[1, 14, 27],
+                         num_anchors=16)  # 16: <empty_output>, as recipes/dflash_smollm2.yaml
+    drafters, _ = overfit_block_drafts(DflashDrafter, build_dflash(target.config, opts, None, None), data,
+                                       {"half": 150}, tmp_path, gguf=False)
+    draft = save_draft(drafters["half"], tmp_path / "draft", target.info())
+    res = SpeculativeGenerator(target, drafters["half"]).generate(world["prompts"], MAX_TOKENS,
+                                                                  SpecConfig(mode="block", num_speculative_tokens=K))
+    assert [r.tokens for r in res] == world["alone"]
+    rounds = [a for r in res for a in r.accept_lens]
+    ours = [sum(a > i for a in rounds) / len(rounds) for i in range(K)]
+    assert 0.05 < min(ours) and max(ours) < 0.95, f"not a partly accepted draft at every position: {ours}"
+    for fmt, method in FAMILIES["dflash"].vllm.items():
+        out = export(draft, fmt, tmp_path / fmt, outtype="f32",
+                     **({"verifier": str(world["model"])} if fmt == "speculators" else {}))
+        run = vllm.run(vllm_python, world["model"], world["prompts"], MAX_TOKENS, f"dflash {fmt}",
+                       spec=vllm.speculative_config(method, out, K))
+        assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
+        pos = run.acceptance_by_position(K)
+        print(f"\nvLLM DFlash {fmt}: by position {[round(p, 3) for p in pos]}, ours {[round(p, 3) for p in ours]}")
+        assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (fmt, pos, ours)
 
 
 @pytest.mark.slow
