@@ -48,7 +48,8 @@ def continuations(bins: Path, questions: list[str], n_predict: int, extra: int, 
     for p, c in zip(prompts, longer, strict=True):
         n_prompts.append(len(tok(p, add_special_tokens=False).input_ids))
         seqs.append(torch.tensor(tok(p + c.text, add_special_tokens=False).input_ids))
-    return Continuations(target, target_gguf, prompts, alone, longer, *one_hot_batch(target, seqs, n_prompts, mask_from))
+    return Continuations(target, target_gguf, prompts, alone, longer,
+                         *one_hot_batch(target, seqs, n_prompts, mask_from))
 
 
 def one_hot_batch(target: Any, seqs: list[torch.Tensor], n_prompts: list[int], mask_from: int = 0
