@@ -42,10 +42,11 @@ class Eagle3Overfit:
 
 
 def overfit_eagle3(target: Any, data: Batch, draft_vocab: int, steps: int, ttt_steps: int, lr: float = 5e-3,
-                   **config: Any) -> Eagle3Overfit:
+                   drafter_cls: type = Eagle3Drafter, config_cls: type = Eagle3Config, **config: Any) -> Eagle3Overfit:
     """Train an EAGLE3 draft `steps` AdamW steps on `data`, with a sharp one-hot teacher of the next token (what the
-    engine's verifier accepts). `config`: Eagle3Config overrides (an MLP twice the target's, say)."""
-    cfg = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab, **config)
+    engine's verifier accepts). `config`: Eagle3Config overrides (an MLP twice the target's, say). `drafter_cls`,
+    `config_cls`: a family built on EAGLE3's forward (P-EAGLE: its mask entries from the second position on)."""
+    cfg = config_cls.from_target(target.config, draft_vocab_size=draft_vocab, **config)
     counts = torch.bincount(data.input_ids[data.attn.bool()], minlength=cfg.vocab_size)
     d2t, t2d = build_vocab_mapping(counts, cfg.draft_vocab_size)  # holds every token of these sequences
     aux, _ = capture(target.model, data.input_ids, data.attn, cfg.aux_layer_ids)  # [B, T, 3H]
@@ -58,7 +59,7 @@ def overfit_eagle3(target: Any, data: Batch, draft_vocab: int, steps: int, ttt_s
     argmax = nxt.masked_fill(~torch.roll(data.attn, -1, dims=1).bool(), -1)  # [B, T]
 
     def new_drafter() -> Eagle3Drafter:
-        d = Eagle3Drafter(cfg)
+        d = drafter_cls(cfg)
         d.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight)
         d.d2t.copy_(d2t)
         d.t2d.copy_(t2d)

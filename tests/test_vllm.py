@@ -46,6 +46,7 @@ K = 3  # draft tokens a round, in vLLM and in our runtime
 DRAFT_VOCAB = 2048
 TRAIN_STEPS = 8  # half-trained: partly accepted (see `world`)
 TTT_STEPS = 3
+PEAGLE_STEPS = 16
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +172,38 @@ def test_dflash_layouts_vllm_serves_losslessly_at_our_acceptance(world, vllm_pyt
         assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
         pos = run.acceptance_by_position(K)
         print(f"\nvLLM DFlash {fmt}: by position {[round(p, 3) for p in pos]}, ours {[round(p, 3) for p in ours]}")
+        assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (fmt, pos, ours)
+
+
+@pytest.mark.slow
+def test_peagle_layouts_vllm_serves_with_parallel_drafting_at_our_acceptance(world, vllm_python, tmp_path):
+    """A P-EAGLE draft (K drafts from one forward, 16 steps on the target's own continuations: its first mask position
+    partly accepted) in each layout vLLM reads, with the `parallel_drafting` key the family declares: greedy ids
+    equal vLLM alone on every prompt, and acceptance by position within 0.03 of our runtime's chain of the same K
+    drafts."""
+    from drafthead.peagle import PeagleConfig, PeagleDrafter
+
+    target, prompts = world["target"], world["prompts"]
+    fit = overfit_eagle3(target, batch([p + o for p, o in zip(prompts, world["longer"], strict=True)],
+                                       [len(p) for p in prompts]), DRAFT_VOCAB, PEAGLE_STEPS, K,
+                         intermediate_size=2 * target.config.intermediate_size, drafter_cls=PeagleDrafter,
+                         config_cls=PeagleConfig, mask_token_id=16, num_draft_tokens=K)  # 16: <empty_output>
+    draft = save_draft(fit.trained, tmp_path / "draft", target.info())
+    res = SpeculativeGenerator(target, fit.trained).generate(prompts, MAX_TOKENS,
+                                                             SpecConfig(mode="chain", num_speculative_tokens=K))
+    assert [r.tokens for r in res] == world["alone"]
+    rounds = [a for r in res for a in r.accept_lens]
+    ours = [sum(a > i for a in rounds) / len(rounds) for i in range(K)]
+    assert ours[0] > 0.05 and any(0.05 < p < 0.95 for p in ours), f"no partly accepted position: {ours}"
+    fam = FAMILIES["peagle"]
+    for fmt, method in fam.vllm.items():
+        out = export(draft, fmt, tmp_path / fmt, outtype="f32",
+                     **({"verifier": str(world["model"])} if fmt == "speculators" else {}))
+        run = vllm.run(vllm_python, world["model"], prompts, MAX_TOKENS, f"peagle {fmt}",
+                       spec=vllm.speculative_config(method, out, K, **fam.vllm_config))
+        assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
+        pos = run.acceptance_by_position(K)
+        print(f"\nvLLM P-EAGLE {fmt}: by position {[round(p, 3) for p in pos]}, ours {[round(p, 3) for p in ours]}")
         assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (fmt, pos, ours)
 
 
