@@ -133,6 +133,24 @@ def test_probe_off_and_forced_paths(fresh_probe, monkeypatch: pytest.MonkeyPatch
         assert len(probe.candidates()) == len(extension.HINTS) * len(probe.AHEAD)
 
 
+def test_amx_refused_by_linux_leaves_the_avx512_candidates(fresh_probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with AMX flags whose kernel refuses the tile state (a VM, an old Linux): the probe offers AVX512-BF16
+    candidates only, and says why, instead of failing the run that asked for the setting."""
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"amx_bf16", "amx_tile", "avx512_bf16"}))
+
+    def refuse(on=None):
+        if on:
+            raise RuntimeError("AMX tiles: the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        return False
+    monkeypatch.setattr(extension, "amx", refuse)
+    probe.amx_refused.cache_clear()
+    try:
+        assert "refused the AMX tile state" in probe.amx_refused()
+        assert probe.cpu_paths() == ["avx512"] and {c.path for c in probe.candidates()} == {"avx512"}
+    finally:
+        probe.amx_refused.cache_clear()
+
+
 def test_use_forces_a_setting_and_puts_back_the_one_before(fresh_probe) -> None:
     before = (extension.amx(), extension.prefetch())
     for path in probe.cpu_paths():

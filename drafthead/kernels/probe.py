@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -68,15 +69,38 @@ def apply(s: Setting) -> None:
 
 
 def cpu_paths() -> list[str]:
-    """The tile paths this CPU can run."""
-    return [p for p in PATHS if p == "avx512" or {"amx_bf16", "amx_tile"} <= hardware.cpu_flags()]
+    """The tile paths this CPU can run: AMX where the CPU has it and Linux grants the tile state (a VM or an old
+    kernel may refuse it; `amx_refused()` says why)."""
+    return [p for p in PATHS if p == "avx512" or amx_refused() is None]
+
+
+@functools.lru_cache(maxsize=1)
+def amx_refused() -> str | None:
+    """Why the AMX tiles cannot run here (None: they can), asked once by turning them on and back."""
+    if not {"amx_bf16", "amx_tile"} <= hardware.cpu_flags():
+        return f"CPU class {hardware.cpu_class()} has no AMX"
+    if not extension.available("bf16"):
+        return f"bf16 kernel unavailable: {extension.unavailable_reason('bf16')}"
+    was = extension.amx()
+    try:
+        extension.amx(True)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        with contextlib.suppress(RuntimeError):
+            extension.amx(was)
+    return None
 
 
 def candidates() -> list[Setting]:
     forced = os.environ.get("DRAFTHEAD_AMX")
     paths = cpu_paths()
-    if forced in ("0", "1"):
-        paths = ["amx" if forced == "1" else "avx512"]
+    if forced == "1" and "amx" in paths:
+        paths = ["amx"]
+    elif forced == "1":
+        warnings.warn(f"drafthead: DRAFTHEAD_AMX=1 but {amx_refused()}; the AVX512-BF16 tiles run", stacklevel=2)
+    elif forced == "0":
+        paths = ["avx512"]
     return [Setting(p, h, a) for p in paths for h in extension.HINTS for a in AHEAD]
 
 
