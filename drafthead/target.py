@@ -109,6 +109,13 @@ def _cache_key(src: Path) -> str:
     return f"{src.stem}-{key.hexdigest()[:16]}"
 
 
+def drop_quantization(config: Any) -> None:
+    """A GGUF-loaded config names the quantization its weights came in; the folders drafthead writes from it (the
+    de-quantized cache, vLLM's target, MTP exports) hold plain weights, so the key goes."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+
+
 def dequantized_dir(path: str, gguf: str) -> Path:
     """A GGUF target's weights de-quantized to fp32, as an HF model folder in the cache, written on first use.
 
@@ -128,8 +135,7 @@ def dequantized_dir(path: str, gguf: str) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf, dtype=torch.float32)
     config = model.config
-    if hasattr(config, "quantization_config"):  # the GGUF it came from; the folder holds plain fp32 weights
-        del config.quantization_config
+    drop_quantization(config)  # the folder holds plain fp32 weights
     with atomic_dir(out) as tmp:  # transformers refuses to save a GGUF-loaded model: its tensors are written here
         save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)

@@ -75,10 +75,10 @@ def target_dir(target: Any) -> Path:
     from safetensors.torch import save_file
 
     from drafthead.io import atomic_dir
+    from drafthead.target import drop_quantization
 
     config = copy.deepcopy(target.model.config)
-    if hasattr(config, "quantization_config"):  # de-quantized on load: the weights written are plain
-        del config.quantization_config
+    drop_quantization(config)  # de-quantized on load: the weights written are plain
     config.dtype = dtype
     tied = bool(getattr(config, "tie_word_embeddings", False))
     with atomic_dir(out) as tmp:

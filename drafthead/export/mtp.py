@@ -133,10 +133,11 @@ def resolve_checkpoint(target: str | None, meta: dict) -> TargetCheckpoint:
 
     name, folder, gguf_path = locate(target, meta)
     if gguf_path is not None:
-        from drafthead.target import load_target
+        from drafthead.target import drop_quantization, load_target
 
         loaded = load_target(str(gguf_path), dtype="float32")
-        cfg = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+        drop_quantization(loaded.config)
+        cfg = loaded.config.to_dict()
         cfg["architectures"] = cfg.get("architectures") or [type(loaded.model).__name__]
         return TargetCheckpoint(name, cfg, loaded.config, None, gguf_path, loaded)
     assert folder is not None
