@@ -72,10 +72,11 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
 def describe(device: str | torch.device = "cpu") -> dict:
     """For reports and bench output: the CPU class and what it implies."""
     return {"cpu_capability": cpu_capability(), "cpu_class": cpu_class(), "native_bf16": native_bf16(device),
-            "cpu_model": _cpu_model()}
+            "cpu_model": cpu_model()}
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (reports; the kernel probe's cache key)."""
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 

@@ -76,9 +76,8 @@ def cpu_paths() -> list[str]:
 
 @functools.lru_cache(maxsize=1)
 def amx_refused() -> str | None:
-    """Why the AMX tiles cannot run here (None: they can), asked once by turning them on and back."""
-    if not {"amx_bf16", "amx_tile"} <= hardware.cpu_flags():
-        return f"CPU class {hardware.cpu_class()} has no AMX"
+    """Why the AMX tiles cannot run here (None: they can), asked once by turning them on and back (`extension.amx`
+    names a CPU without AMX and a refused tile state alike)."""
     if not extension.available("bf16"):
         return f"bf16 kernel unavailable: {extension.unavailable_reason('bf16')}"
     was = extension.amx()
@@ -106,9 +105,8 @@ def candidates() -> list[Setting]:
 
 def cache_key() -> str:
     """CPU model and the flags that pick code, torch version and threads, the kernel's source, this file's scoring."""
-    info = hardware._cpuinfo()
     src = Path(extension._SOURCES["bf16"]).read_bytes()
-    parts = [info.get("model name", "?"), hardware.cpu_class(), torch.__version__, str(torch.get_num_threads()),
+    parts = [hardware.cpu_model(), hardware.cpu_class(), torch.__version__, str(torch.get_num_threads()),
              os.environ.get("DRAFTHEAD_AMX", ""), str(VERSION), hashlib.sha256(src).hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
@@ -222,7 +220,7 @@ def _measure_and_cache(path: Path) -> Setting:
     ms = measure(cands)
     s, per_rows = choose(ms)
     _report = {"chosen": asdict(s), "name": s.name(), "cpu_class": hardware.cpu_class(),
-               "cpu_model": hardware._cpuinfo().get("model name", "?"), "threads": threads,
+               "cpu_model": hardware.cpu_model(), "threads": threads,
                "seconds": round(time.perf_counter() - t0, 1), "rows": per_rows,
                "candidates": {c.name(): {str(r): round(v, 3) for r, v in by.items()} for c, by in ms.items()}}
     from drafthead.io import atomic_write_json
