@@ -64,6 +64,8 @@ def test_static_path_gives_the_eager_forwards_bits(dtype: torch.dtype) -> None:
     assert static.usable(cache, torch.zeros(2, 2, dtype=torch.long), lens)  # 9 + 2 <= 12
     assert not static.usable(cache, torch.zeros(2, 3, dtype=torch.long), lens)  # padded to 4: 9 + 4 > 12
     assert not static.usable(tm.new_cache(2, 128), torch.zeros(2, 65, dtype=torch.long), lens)  # past the last bucket
+    with pytest.raises(ValueError, match="static forward of 65 tokens: the last bucket is 64"):
+        static.run(tm.new_cache(2, 128), torch.zeros(2, 65, dtype=torch.long), lens, None, None, False)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
