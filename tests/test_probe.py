@@ -59,11 +59,14 @@ def fresh_probe(tmp_path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("DRAFTHEAD_KERNEL_PROBE", raising=False)
     monkeypatch.delenv("DRAFTHEAD_AMX", raising=False)
     before = (extension.amx(), extension.prefetch())
+    # A test may swap extension.amx for a fake; the teardown runs before monkeypatch undoes it, so it puts the
+    # process's setting back through the real functions.
+    amx, prefetch = extension.amx, extension.prefetch
     monkeypatch.setattr(probe, "_applied", None)
     monkeypatch.setattr(probe, "_report", None)
     yield tmp_path
-    extension.amx(before[0])
-    extension.prefetch(**before[1])
+    amx(before[0])
+    prefetch(**before[1])
 
 
 def _fake_timer(calls: list):
