@@ -375,28 +375,66 @@ def test_fp32_attention_matches_fp64_and_ignores_row_count_and_capacity(H: int, 
         check_attention(H, KVH, D, dtype)
 
 
-def check_attention(H: int, KVH: int, D: int, dtype: torch.dtype) -> None:
+def check_attention(H: int, KVH: int, D: int, dtype: torch.dtype, T: int = 7, S: int = 48,
+                    lens: tuple[int, int] = (11, 30)) -> None:
     from drafthead.runtime.model import attention_mask
 
     g = torch.Generator().manual_seed(H + D)
-    B, T, S = 2, 7, 48
-    lens = torch.tensor([11, 30])
+    B = 2
     tree = torch.eye(T, dtype=torch.bool)[None].repeat(B, 1, 1)
-    tree[:, 1:, 0] = True  # a two-level tree: every node's parent is node 0
+    tree[:, 1:, 0] = True  # every node's parent is node 0, and some nodes' is the node before
+    tree[:, 3::2] |= torch.eye(T, dtype=torch.bool).roll(-1, 1)[3::2]
     cache = torch.randn(B, 3 * 2 * KVH, S + 16, D, generator=g).to(dtype)  # three layers' k/v, 16 spare slots
     k, v = cache[:, 2 * KVH: 3 * KVH], cache[:, 3 * KVH: 4 * KVH]  # layer 1's views, [B, kvh, S+16, D]
     q = torch.randn(B, H, T, D, generator=g).to(dtype)
+    lens_t = torch.tensor(lens)
     for tree_mask in (None, tree):
-        mask = attention_mask(lens, T, S, tree_mask)  # [B, 1, T, S]
+        mask = attention_mask(lens_t, T, S, tree_mask)  # [B, 1, T, S]
         o = cpu_linear.attention_fp32(q, k[:, :, :S], v[:, :, :S], mask, D ** -0.5)
         ref = attention_reference(q, k[:, :, :S], v[:, :, :S], mask, D ** -0.5)
         assert o.dtype == torch.float32 and (o.double() - ref).abs().max() < 1e-5
-        wide = attention_mask(lens, T, S + 16, tree_mask)
+        wide = attention_mask(lens_t, T, S + 16, tree_mask)
         assert torch.equal(cpu_linear.attention_fp32(q, k, v, wide, D ** -0.5), o)  # capacity does not matter
         for t in range(T):
             one = cpu_linear.attention_fp32(q[:, :, t: t + 1], k[:, :, :S], v[:, :, :S], mask[:, :, t: t + 1],
                                             D ** -0.5)
             assert torch.equal(one, o[:, :, t: t + 1]), t
+            # decoded alone: the token's visible keys side by side from slot 0 (a tree node's ancestors written
+            # after the prefix, as plain decoding writes them), under a causal mask
+            for b in range(B):
+                seen = mask[b, 0, t].nonzero().flatten()
+                n = seen.numel()
+                kb, vb = k[b: b + 1, :, seen], v[b: b + 1, :, seen]
+                alone = cpu_linear.attention_fp32(q[b: b + 1, :, t: t + 1], kb, vb,
+                                                  torch.ones(1, 1, 1, n, dtype=torch.bool), D ** -0.5)
+                assert torch.equal(alone, o[b: b + 1, :, t: t + 1]), (t, b)
+
+
+@needs_fp32_kernel
+@pytest.mark.skipif(not _has_amx(), reason="no AMX on this CPU (amx_bf16, amx_tile): the AMX tiles cannot run here")
+@pytest.mark.parametrize("H,KVH,D", [(9, 3, 64), (4, 4, 128), (32, 2, 64), (2, 1, 96), (8, 2, 40)])
+def test_amx_attention_matches_fp64_and_keeps_a_querys_bits(H: int, KVH: int, D: int) -> None:
+    """bf16 attention on AMX tiles (on with the AMX projections): requests whose shared prefix spans several blocks of
+    16 keys, tokens over several tiles and their own keys past the shared blocks, causal and tree masks; within fp32
+    rounding of fp64 and the same bits alone, in a block, decoded alone and against a larger cache. It rounds
+    unlike the vdpbf16ps code (a sign that it ran); head_dim 40 stays on that code."""
+    was = extension.amx()
+    try:
+        extension.amx(False)
+        with avx512_bf16_ops(True):
+            before = cpu_linear.attention_fp32(*_attention_case(H, KVH, D))
+            extension.amx(True)
+            check_attention(H, KVH, D, torch.bfloat16, T=37, S=160, lens=(100, 41))
+            after = cpu_linear.attention_fp32(*_attention_case(H, KVH, D))
+        assert torch.equal(before, after) is (D % 32 != 0)
+    finally:
+        extension.amx(was)
+
+
+def _attention_case(H: int, KVH: int, D: int) -> tuple:
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, n, 20, D, generator=g).bfloat16() for n in (H, KVH, KVH))
+    return q, k, v, torch.ones(1, 1, 20, 20, dtype=torch.bool).tril(), D ** -0.5
 
 
 @needs_fp32_kernel

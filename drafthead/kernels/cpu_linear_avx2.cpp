@@ -26,10 +26,15 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -791,12 +796,365 @@ void prefetch_items(int64_t i0, int64_t i1, const E* Kp, Rows kst, const E* Vp, 
   }
 }
 
+// ---- bf16 attention on AMX tiles, where the bf16 projections run them (kernels/probe.py's path) -----------------
+// Why: with the projections on AMX tiles, a verify of 16-64 tokens spent most of its added time in the attention:
+// per query and key, vdpbf16ps code pays a horizontal sum for the score and 4 instructions of 16 lanes for the
+// weighted sum (SmolLM2, ~340 cached keys: 1.4 / 5.0 / 16.6 ms a forward at 1 / 16 / 64 tokens under the profiler,
+// AMX Xeon). `tdpbf16ps` does 16 queries x 16 keys (scores) or 16 queries x 16 outputs (weighted sum) an
+// instruction, so the queries of a request's tokens that share a KV head run as one tile over the keys they all see.
+//
+// Bits: every query is computed over its own keys in key order (the positions its mask allows, compacted), in
+// blocks of 16 from the first, whatever the tile: a score is its row of Q against its key's column of K (D/32
+// tile products from zero, in order), the softmax is softmax_pairs over the query's row, and the weighted sum adds
+// the blocks in order into the query's row of C, the probabilities as (hi, lo) bf16 pairs against (v, v). A row's
+// result in a tile product depends on its own A row alone, so the tile around it (other tokens, other heads) does
+// not change its bits. Keys every query of a request sees (the blocks below its shortest run of visible leading
+// keys: the shared prefix) run as tiles of up to 16 query rows; each token's other keys (the rest of its cache and
+// its own block's, gathered) continue its rows' C from there. Past a query's last key its block is padded: zero K
+// and V rows where gathered, and zero probabilities. tdpbf16ps rounds unlike vdpbf16ps, so this path is on for the
+// process with the AMX projections (`amx_attention_set`) and never chosen by row count.
+#define DRAFTHEAD_AMX_ATTN \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool g_amx_attention = false;
+constexpr int kAttnRows = 16;  // query rows per A and C tile
+constexpr int64_t kAttnMaxD = 256;  // head_dim up to this (a multiple of 32) on this path
+
+struct alignas(64) AttnTiles {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (R rows x 16 fp32); 4: A (R rows x 32 bf16); 5-7: B (16 rows x 16 pairs).
+DRAFTHEAD_AMX_ATTN inline void attn_tiles(int R) {
+  AttnTiles c;
+  for (int t = 0; t < 5; ++t) { c.rows[t] = static_cast<uint8_t>(R); c.colsb[t] = 64; }
+  for (int t = 5; t < 8; ++t) { c.rows[t] = 16; c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+// 16 rows of 16 dwords -> their transpose (r[i] holds row i; out[c] gets column c).
+DRAFTHEAD_AMX_ATTN inline void transpose16(const __m512i* r, __m512i* out) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // rows 4q..4q+3: column k (mod 4) of each 128-bit lane in u[4q + k]
+    u[4 * q] = _mm512_unpacklo_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 1] = _mm512_unpackhi_epi64(t[4 * q], t[4 * q + 2]);
+    u[4 * q + 2] = _mm512_unpacklo_epi64(t[4 * q + 1], t[4 * q + 3]);
+    u[4 * q + 3] = _mm512_unpackhi_epi64(t[4 * q + 1], t[4 * q + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
+    out[k] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    out[k + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    out[k + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    out[k + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+// One block of 16 keys as B tiles (row pointers; a null one is a zero row). kt [D/2, 16] dwords: the k-pairs of K^T
+// (row p: (k[2p], k[2p+1]) of each key), transposed 16 x 16 dwords at a time.
+DRAFTHEAD_AMX_ATTN void keys_tile(const uint16_t* const* k, int64_t D, uint32_t* kt) {
+  for (int64_t c = 0; c < D / 32; ++c) {  // 16 k-pairs a step
+    __m512i r[16], col[16];
+    for (int j = 0; j < 16; ++j) r[j] = k[j] ? _mm512_loadu_si512(k[j] + 32 * c) : _mm512_setzero_si512();
+    transpose16(r, col);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_si512(kt + (16 * c + p) * 16, col[p]);
+  }
+}
+
+// vd [D/16][16 keys][16] dwords: each value twice, (v, v), against a probability's (hi, lo) pair.
+DRAFTHEAD_AMX_ATTN void values_tile(const uint16_t* const* v, int64_t D, uint32_t* vd) {
+  for (int64_t c = 0; c < D / 16; ++c)
+    for (int j = 0; j < 16; ++j) {
+      const __m256i* row = reinterpret_cast<const __m256i*>(v[j] + 16 * c);
+      const __m512i w = v[j] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(row)) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vd + (c * 16 + j) * 16, _mm512_or_si512(w, _mm512_slli_epi32(w, 16)));
+    }
+}
+
+// Scores of R query rows (qa [R, D] bf16) against one block's keys (kt): 16 unscaled fp32 a row into s (row
+// stride ss floats). The tiles are configured for R rows.
+DRAFTHEAD_AMX_ATTN inline void block_scores(const uint16_t* qa, int64_t D, const uint32_t* kt, float* s, int64_t ss) {
+  _tile_zero(0);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(4, qa + 32 * c, D * 2);
+    _tile_loadd(5, kt + 16 * 16 * c, 64);
+    _tile_dpbf16ps(0, 4, 5);
+  }
+  _tile_stored(0, s, ss * 4);
+}
+
+// o [R, D] fp32 (row stride D) += p [R rows, 16 pairs at each block's column] x vd of blocks 0..nb-1, in block order;
+// o is loaded and stored through the C tiles, 64 outputs at a time.
+DRAFTHEAD_AMX_ATTN void blocks_wsum(const int32_t* p, int64_t ps, const uint32_t* const* vd, int64_t nb, int64_t D,
+                                    float* o) {
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t nc = std::min<int64_t>(4, (D - d0) / 16);
+    _tile_loadd(0, o + d0, D * 4);
+    if (nc > 1) _tile_loadd(1, o + d0 + 16, D * 4);
+    if (nc > 2) _tile_loadd(2, o + d0 + 32, D * 4);
+    if (nc > 3) _tile_loadd(3, o + d0 + 48, D * 4);
+    for (int64_t kb = 0; kb < nb; ++kb) {
+      const uint32_t* w = vd[kb] + (d0 / 16) * 256;
+      _tile_loadd(4, p + 16 * kb, ps * 4);
+      _tile_loadd(5, w, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      if (nc > 1) { _tile_loadd(6, w + 256, 64); _tile_dpbf16ps(1, 4, 6); }
+      if (nc > 2) { _tile_loadd(7, w + 512, 64); _tile_dpbf16ps(2, 4, 7); }
+      if (nc > 3) { _tile_loadd(5, w + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+    _tile_stored(0, o + d0, D * 4);
+    if (nc > 1) _tile_stored(1, o + d0 + 16, D * 4);
+    if (nc > 2) _tile_stored(2, o + d0 + 32, D * 4);
+    if (nc > 3) _tile_stored(3, o + d0 + 48, D * 4);
+  }
+}
+
+DRAFTHEAD_AMX_ATTN void attn_release() { _tile_release(); }
+
+// A buffer of a thread's that keeps its memory between calls (a fresh vector a call zeroed ~0.5 MB a layer).
+template <typename T>
+T* scratch(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+// Visible keys of one query at positions from..S-1 (its mask row m) into key; returns how many.
+inline int64_t visible(const bool* m, int64_t from, int64_t S, int64_t* key) {
+  int64_t c = 0;
+  for (int64_t j = from; j < S; ++j)
+    if (m[j]) key[c++] = j;
+  return c;
+}
+
+// attention_core's arguments and what attention_amx worked out from the mask, for the AMX items' functions (a
+// lambda does not take a function's target attribute).
+struct AttnArgs {
+  const uint16_t *Q, *Kp, *Vp;
+  Rows qs, kst, vst, os;
+  const bool* Mp;
+  int64_t T, D, KVH, S, G, per, tiles, nbmax;
+  float sc;
+  float* O;
+  const int64_t* shared;  // [B] keys every token of request b sees, from 0, in whole blocks
+  const int64_t* nb;      // [B] blocks of keys by position that request b's tile sweeps
+  const int64_t* len;     // [B, T] keys each token sees
+  const char* lined;      // [B, T] whether they are the first len[b, t] positions (causal rows; a tree's first path)
+  uint32_t* kt;           // [B, KVH, nbmax] blocks' K^T, D/2 x 16 dwords each (null: each tile makes its own)
+  uint32_t* vd;           // [B, KVH, nbmax] blocks' (v, v), D x 16 dwords each (null: each tile makes its own)
+};
+
+// Blocks i0 .. i1 of (request, KV head, block by position) as B tiles; rows past the cache are zero rows.
+DRAFTHEAD_AMX_ATTN void attention_amx_blocks(const AttnArgs& a, const uint16_t* zero, int64_t i0, int64_t i1) {
+  const uint16_t* kr[16];
+  const uint16_t* vr[16];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / (a.KVH * a.nbmax), kh = (i / a.nbmax) % a.KVH, k = i % a.nbmax;
+    if (k >= a.nb[b]) continue;
+    const uint16_t* kb = a.Kp + b * a.kst.s0 + kh * a.kst.s1;
+    const uint16_t* vb = a.Vp + b * a.vst.s0 + kh * a.vst.s1;
+    for (int j = 0; j < 16; ++j) {
+      const int64_t at = 16 * k + j;
+      kr[j] = at < a.S ? kb + at * a.kst.s2 : zero;
+      vr[j] = at < a.S ? vb + at * a.vst.s2 : zero;
+    }
+    keys_tile(kr, a.D, a.kt + i * a.D / 2 * 16);
+    values_tile(vr, a.D, a.vd + i * a.D * 16);
+  }
+}
+
+// Work items i0 .. i1 of attention_amx: (request, KV head, tile of `per` tokens).
+DRAFTHEAD_AMX_ATTN void attention_amx_items(const AttnArgs& a, const uint16_t* zero, int64_t i0, int64_t i1) {
+  const int64_t T = a.T, D = a.D, KVH = a.KVH, S = a.S, G = a.G, per = a.per, tiles = a.tiles;
+  const bool* Mp = a.Mp;
+  const float sc = a.sc;
+  static thread_local std::vector<float> score_v, tail_v, acc_v;
+  static thread_local std::vector<uint32_t> kt_v, vd_v;
+  static thread_local std::vector<uint16_t> qa_v;
+  static thread_local std::vector<int64_t> key_v;
+  const int64_t ps = (S + 15) / 16 * 16 + 16;  // a query's score / probability row
+  float* score = scratch(score_v, kAttnRows * ps);
+  float* tail = scratch(tail_v, kAttnRows * ps);  // a gathered token's probabilities past the shared blocks
+  float* acc = scratch(acc_v, kAttnRows * D);
+  uint32_t* kt = scratch(kt_v, D / 2 * 16);  // a gathered block's K^T
+  uint32_t* vd = scratch(vd_v, 2 * ((S + 15) / 16 + 1) * D * 16);  // blocks' (v, v) made here; then a gathered token's
+  uint32_t* gvd = vd + ((S + 15) / 16 + 1) * D * 16;
+  uint16_t* qa = scratch(qa_v, kAttnRows * D);
+  int64_t* key = scratch(key_v, S);
+  float inv[kAttnRows];
+  int64_t n[kAttnRows];
+  const uint16_t* kr[16];
+  const uint16_t* vr[16];
+  std::vector<const uint32_t*> vds((S + 15) / 16 + 1);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t b = i / (KVH * tiles), kh = (i / tiles) % KVH, t0 = (i % tiles) * per;
+    const int64_t nt = std::min(per, T - t0), R = nt * G, P0 = a.shared[b], nb = a.nb[b];
+    const uint16_t* kb = a.Kp + b * a.kst.s0 + kh * a.kst.s1;
+    const uint16_t* vb = a.Vp + b * a.vst.s0 + kh * a.vst.s1;
+    const uint32_t* bvd = a.vd ? a.vd + (b * KVH + kh) * a.nbmax * D * 16 : vd;
+    for (int64_t r = 0; r < R; ++r)  // row r: token t0 + r / G, head kh * G + r % G
+      std::memcpy(qa + r * D, a.Q + b * a.qs.s0 + (kh * G + r % G) * a.qs.s1 + (t0 + r / G) * a.qs.s2, D * 2);
+    // every row's scores against the blocks by position (made here when one tile takes all of the request's tokens)
+    attn_tiles(static_cast<int>(R));
+    for (int64_t k = 0; k < nb; ++k) {
+      const uint32_t* bkt = kt;
+      if (a.kt) {
+        bkt = a.kt + ((b * KVH + kh) * a.nbmax + k) * D / 2 * 16;
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          const int64_t at = 16 * k + j;
+          kr[j] = at < S ? kb + at * a.kst.s2 : zero;
+          vr[j] = at < S ? vb + at * a.vst.s2 : zero;
+        }
+        keys_tile(kr, D, kt);
+        values_tile(vr, D, vd + k * D * 16);
+      }
+      block_scores(qa, D, bkt, score + 16 * k, ps);
+    }
+    // a token whose keys are not its first positions: its own keys past the shared blocks, gathered
+    attn_tiles(static_cast<int>(G));
+    for (int64_t u = 0; u < nt; ++u) {
+      n[u] = a.len[b * T + t0 + u];
+      if (a.lined[b * T + t0 + u]) continue;
+      const int64_t c = visible(Mp + (b * T + t0 + u) * S, P0, S, key);
+      for (int64_t k = 0; 16 * k < c; ++k) {
+        for (int j = 0; j < 16; ++j) kr[j] = 16 * k + j < c ? kb + key[16 * k + j] * a.kst.s2 : zero;
+        keys_tile(kr, D, kt);
+        block_scores(qa + u * G * D, D, kt, score + u * G * ps + P0 + 16 * k, ps);
+      }
+    }
+    // each row's softmax over its keys; zero probabilities past them (to the sweep's last block), and a gathered
+    // token's own probabilities moved out of the sweep's way
+    for (int64_t r = 0; r < R; ++r) {
+      float* row = score + r * ps;
+      const int64_t len = n[r / G];
+      __m512 hi = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 mk = first16(len - j);
+        const __m512 s = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, row + j), _mm512_set1_ps(sc));
+        _mm512_mask_storeu_ps(row + j, mk, s);
+        hi = _mm512_mask_max_ps(hi, mk, hi, s);
+      }
+      float top = len > 0 ? _mm512_reduce_max_ps(hi) : 0.0f;
+      softmax_pairs<1>(row, ps, len, &top, &inv[r]);
+      int32_t* pr = reinterpret_cast<int32_t*>(row);
+      const int64_t end = std::max(16 * nb, (len + 15) / 16 * 16);
+      for (int64_t j = len; j < end; ++j) pr[j] = 0;
+      if (!a.lined[b * T + t0 + r / G]) {
+        std::memcpy(tail + r * ps, pr + P0, ((len + 15) / 16 * 16 - P0) * 4);
+        for (int64_t j = P0; j < 16 * nb; ++j) pr[j] = 0;
+      }
+    }
+    // the weighted sum: every row over the blocks by position, then a gathered token's own blocks on its rows
+    std::fill(acc, acc + R * D, 0.0f);
+    for (int64_t k = 0; k < nb; ++k) vds[k] = bvd + k * D * 16;
+    attn_tiles(static_cast<int>(R));
+    if (nb > 0) blocks_wsum(reinterpret_cast<const int32_t*>(score), ps, vds.data(), nb, D, acc);
+    attn_tiles(static_cast<int>(G));
+    for (int64_t u = 0; u < nt; ++u) {
+      if (a.lined[b * T + t0 + u]) continue;
+      const int64_t c = visible(Mp + (b * T + t0 + u) * S, P0, S, key), nbt = (c + 15) / 16;
+      for (int64_t k = 0; k < nbt; ++k) {
+        for (int j = 0; j < 16; ++j) vr[j] = 16 * k + j < c ? vb + key[16 * k + j] * a.vst.s2 : zero;
+        vds[k] = gvd + k * D * 16;
+        values_tile(vr, D, gvd + k * D * 16);
+      }
+      if (nbt > 0)
+        blocks_wsum(reinterpret_cast<const int32_t*>(tail + u * G * ps), ps, vds.data(), nbt, D, acc + u * G * D);
+    }
+    for (int64_t r = 0; r < R; ++r) {  // a query that sees no key gets zeros, as masked-out rows
+      float* o = a.O + b * a.os.s0 + (kh * G + r % G) * a.os.s1 + (t0 + r / G) * a.os.s2;
+      const __m512 s = _mm512_set1_ps(n[r / G] > 0 ? inv[r] : 0.0f);
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), s));
+    }
+  }
+  attn_release();
+}
+
+// attention_core's bf16 queries on AMX tiles (see above); same arguments. G = H / KVH <= 16, D % 32 == 0.
+// A token whose keys are its first positions (every causal row) runs every block in its tile by position, with
+// zero probabilities past its last key: its row's C does not change there, so the blocks it shares with the
+// other tokens and the cache slots past its keys (finite values, zero weight) give the bits it gets alone.
+void attention_amx(const uint16_t* Q, Rows qs, const uint16_t* Kp, Rows kst, const uint16_t* Vp, Rows vst,
+                   const bool* Mp, int64_t B, int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc,
+                   float* O, Rows os) {
+  const int64_t G = H / KVH, per = kAttnRows / G;  // tokens per tile (a token's heads never straddle two)
+  std::vector<int64_t> shared(B, S), nb(B, 0), len(B * T);
+  std::vector<char> lined(B * T);
+  int64_t nbmax = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const bool* m = Mp + (b * T + t) * S;
+      int64_t lead = 0, count = 0;
+      while (lead < S && m[lead]) ++lead;
+      count = lead;
+      for (int64_t j = lead; j < S; ++j) count += m[j];
+      len[b * T + t] = count;
+      lined[b * T + t] = count == lead;
+      shared[b] = std::min(shared[b], lead);
+      if (count == lead) nb[b] = std::max(nb[b], (count + 15) / 16);
+    }
+    shared[b] = shared[b] / 16 * 16;
+    nb[b] = std::max(nb[b], shared[b] / 16);
+    nbmax = std::max(nbmax, nb[b]);
+  }
+  static thread_local std::vector<uint32_t> kt_v, vd_v;
+  static thread_local std::vector<uint16_t> zero_v;
+  if (zero_v.size() < static_cast<size_t>(D)) zero_v.assign(D, 0);
+  // blocks made once for the tiles of a request when it has several (a verify of more than `per` tokens); else by
+  // the one tile that reads them, without a second parallel region (a decode step)
+  const int64_t tiles = (T + per - 1) / per;
+  const bool apart = tiles > 1;
+  const AttnArgs a{Q, Kp, Vp, qs, kst, vst, os, Mp, T, D, KVH, S, G, per, tiles, nbmax, sc, O,
+                   shared.data(), nb.data(), len.data(), lined.data(),
+                   apart ? scratch(kt_v, B * KVH * nbmax * D / 2 * 16) : nullptr,
+                   apart ? scratch(vd_v, B * KVH * nbmax * D * 16) : nullptr};
+  const uint16_t* zero = zero_v.data();
+  if (apart)
+    at::parallel_for(0, B * KVH * nbmax, 4, [&](int64_t i0, int64_t i1) { attention_amx_blocks(a, zero, i0, i1); });
+  at::parallel_for(0, B * KVH * a.tiles, 1, [&](int64_t i0, int64_t i1) { attention_amx_items(a, zero, i0, i1); });
+}
+
+// Whether bf16 attention of G heads a KV head and head_dim D runs on AMX tiles: the process turned them on with the
+// AMX projections, and the shape fits the tiles.
+bool amx_attention(int64_t G, int64_t D) {
+  return g_amx_attention && avx512_bf16() && D % 32 == 0 && D <= kAttnMaxD && G <= kAttnRows;
+}
+
+// Asks Linux for the AMX tile state (as the bf16 extension does for its projections) and turns the AMX attention on
+// or off. "" when done, else why not.
+std::string amx_attention_set(bool on) {
+  if (on) {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("the kernel refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM): ") +
+             std::strerror(errno);
+  }
+  g_amx_attention = on;
+  return "";
+}
+
 // q [B, H, T, D] (rows at Q, strides qs over b, h, t); k, v [B, KVH, S, D]; mask [B, T, S] bool, contiguous;
 // -> fp32 o [B, H, T, D] (rows at O, strides os over b, h, t). E: float (fp32 tokens) or uint16_t (bf16 bits:
 // bf16 tokens, widened exactly; the math is fp32 either way).
 template <typename E>
 void attention_core(const E* Q, Rows qs, const E* Kp, Rows kst, const E* Vp, Rows vst, const bool* Mp, int64_t B,
                     int64_t H, int64_t T, int64_t D, int64_t KVH, int64_t S, float sc, float* O, Rows os) {
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    if (amx_attention(H / KVH, D)) {
+      attention_amx(Q, qs, Kp, kst, Vp, vst, Mp, B, H, T, D, KVH, S, sc, O, os);
+      return;
+    }
+  }
   const int64_t group = H / KVH;
   // work items: (b, t, KV head, tile of up to kQ of the heads sharing it). A lone SmolLM2 step has only 3 such
   // items for 2 threads and still takes less time than 9 one-query items (7.3 against ~14 us, AVX512-BF16).
@@ -1464,6 +1822,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return avx512_tiles();
   }, "whether multi-row projections run the AVX-512 tiles (the CPU has AVX-512 and they are on); on: turn them on / "
         "off (tests)", py::arg("on") = py::none());
+  m.def("amx_attention_set", &amx_attention_set, "turn the bf16 attention's AMX tiles on / off; \"\" or why not");
+  m.def("amx_attention_on", []() { return g_amx_attention; }, "whether the bf16 attention runs AMX tiles");
   m.def("attention", &attention, "float32 or bf16 q [B, H, T, D], k, v [B, KVH, S, D], bool mask [B, 1, T, S], "
         "scale -> float32 [B, H, T, D], each query over the keys its mask allows, row-invariant");
   m.def("argmax", &argmax, "float32 or bf16 x [..., N] -> int64 [...], the first largest value's index (torch.argmax's)");

@@ -140,11 +140,12 @@ def ext(kind: str) -> ModuleType:
 
 
 def amx(on: bool | None = None) -> bool:
-    """Whether bf16 projections whose K is a multiple of 32 run AMX tiles (`tdpbf16ps`) instead of the AVX512-BF16
-    tiles; `on` turns the path on or off first. Off when the extension loads; the runtime turns it on where
-    `kernels/probe.py` measured it faster (DRAFTHEAD_AMX=1 / 0 forces it). Switch it only between runs: the two
-    paths round differently, and a row must get the same bits in a verify block as alone. Turning it on where the
-    CPU has no AMX, or where Linux refuses the tile state, raises a RuntimeError naming why, and the path stays off."""
+    """Whether bf16 projections whose K is a multiple of 32, and the bf16 attention of generated tokens (head_dim a
+    multiple of 32), run AMX tiles (`tdpbf16ps`) instead of AVX512-BF16 code; `on` turns the path on or off first.
+    Off when the extension loads; the runtime turns it on where `kernels/probe.py` measured it faster
+    (DRAFTHEAD_AMX=1 / 0 forces it). Switch it only between runs: the two paths round differently, and a row must
+    get the same bits in a verify block as alone. Turning it on where the CPU has no AMX, or where Linux refuses the
+    tile state, raises a RuntimeError naming why, and the path stays off."""
     mod = ext("bf16")
     if on is not None:
         if on:
@@ -153,6 +154,10 @@ def amx(on: bool | None = None) -> bool:
                 raise RuntimeError(f"AMX tiles: this CPU (class {hardware.cpu_class()}) lacks "
                                    f"{', '.join(sorted(missing))} in /proc/cpuinfo")
         why = mod.amx_set(bool(on))
+        if not why and available("fp32"):  # the bf16 attention takes the same path as the projections
+            why = ext("fp32").amx_attention_set(bool(on))
+            if why:
+                mod.amx_set(False)
         if why:
             raise RuntimeError(f"AMX tiles: {why}")
     return bool(mod.amx_on())
