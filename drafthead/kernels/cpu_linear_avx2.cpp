@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -978,7 +979,7 @@ DRAFTHEAD_AMX_ATTN void attention_amx_items(const AttnArgs& a, const uint16_t* z
   const bool* Mp = a.Mp;
   const float sc = a.sc;
   static thread_local std::vector<float> score_v, tail_v, acc_v;
-  static thread_local std::vector<uint32_t> kt_v, vd_v;
+  static thread_local std::vector<uint32_t> kt_v;
   static thread_local std::vector<uint16_t> qa_v;
   static thread_local std::vector<int64_t> key_v;
   const int64_t ps = (S + 15) / 16 * 16 + 16;  // a query's score / probability row
@@ -986,7 +987,10 @@ DRAFTHEAD_AMX_ATTN void attention_amx_items(const AttnArgs& a, const uint16_t* z
   float* tail = scratch(tail_v, kAttnRows * ps);  // a gathered token's probabilities past the shared blocks
   float* acc = scratch(acc_v, kAttnRows * D);
   uint32_t* kt = scratch(kt_v, D / 2 * 16);  // a gathered block's K^T
-  uint32_t* vd = scratch(vd_v, 2 * ((S + 15) / 16 + 1) * D * 16);  // blocks' (v, v) made here; then a gathered token's
+  // blocks' (v, v) made here, then a gathered token's: S x D x 8 bytes, so per call (kept a thread's, it would hold
+  // megabytes for the life of the process after one long batch)
+  const std::unique_ptr<uint32_t[]> vd_p(new uint32_t[2 * ((S + 15) / 16 + 1) * D * 16]);
+  uint32_t* vd = vd_p.get();
   uint32_t* gvd = vd + ((S + 15) / 16 + 1) * D * 16;
   uint16_t* qa = scratch(qa_v, kAttnRows * D);
   int64_t* key = scratch(key_v, S);
@@ -1107,17 +1111,17 @@ void attention_amx(const uint16_t* Q, Rows qs, const uint16_t* Kp, Rows kst, con
     nb[b] = std::max(nb[b], shared[b] / 16);
     nbmax = std::max(nbmax, nb[b]);
   }
-  static thread_local std::vector<uint32_t> kt_v, vd_v;
   static thread_local std::vector<uint16_t> zero_v;
   if (zero_v.size() < static_cast<size_t>(D)) zero_v.assign(D, 0);
   // blocks made once for the tiles of a request when it has several (a verify of more than `per` tokens); else by
-  // the one tile that reads them, without a second parallel region (a decode step)
+  // the one tile that reads them, without a second parallel region (a decode step). B x KVH x S x D x 6 bytes: per
+  // call, for the same reason as the items' (v, v)
   const int64_t tiles = (T + per - 1) / per;
   const bool apart = tiles > 1;
+  const std::unique_ptr<uint32_t[]> kt_p(apart ? new uint32_t[B * KVH * nbmax * D / 2 * 16] : nullptr);
+  const std::unique_ptr<uint32_t[]> vd_p(apart ? new uint32_t[B * KVH * nbmax * D * 16] : nullptr);
   const AttnArgs a{Q, Kp, Vp, qs, kst, vst, os, Mp, T, D, KVH, S, G, per, tiles, nbmax, sc, O,
-                   shared.data(), nb.data(), len.data(), lined.data(),
-                   apart ? scratch(kt_v, B * KVH * nbmax * D / 2 * 16) : nullptr,
-                   apart ? scratch(vd_v, B * KVH * nbmax * D * 16) : nullptr};
+                   shared.data(), nb.data(), len.data(), lined.data(), kt_p.get(), vd_p.get()};
   const uint16_t* zero = zero_v.data();
   if (apart)
     at::parallel_for(0, B * KVH * nbmax, 4, [&](int64_t i0, int64_t i1) { attention_amx_blocks(a, zero, i0, i1); });

@@ -13,7 +13,8 @@ The tile path is one choice for every row count, not one per row count: AMX's `t
 `vdpbf16ps` round a sum differently (15 of 65,536 outputs of a [16, 576] x [576, 4096] product differ in their last
 bf16 bit), and a row must get the same bits in a verify block as alone (greedy losslessness). So the path is
 scored over the row counts together, each row count's time relative to its fastest candidate. The prefetch
-settings never change bits.
+settings never change bits. The AMX path also runs the bf16 attention of generated tokens on AMX tiles
+(`extension.amx`); the probe times the projections alone, most of a forward's time.
 
 `DRAFTHEAD_KERNEL_PROBE=0` keeps the built-in setting (AVX512-BF16 tiles, streamed weights non-temporal 32
 k-pairs ahead); `DRAFTHEAD_AMX=1` or `0` forces the path and the probe tunes the prefetches for it.
