@@ -922,7 +922,7 @@ DRAFTHEAD_AMX_ATTN void blocks_wsum(const int32_t* p, int64_t ps, const uint32_t
 
 DRAFTHEAD_AMX_ATTN void attn_release() { _tile_release(); }
 
-// A buffer of a thread's that keeps its memory between calls (a fresh vector a call zeroed ~0.5 MB a layer).
+// A small buffer of a thread's that keeps its memory between calls (a fresh vector a call is zeroed again).
 template <typename T>
 T* scratch(std::vector<T>& v, size_t n) {
   if (v.size() < n) v.resize(n);
@@ -954,22 +954,28 @@ struct AttnArgs {
   uint32_t* vd;           // [B, KVH, nbmax] blocks' (v, v), D x 16 dwords each (null: each tile makes its own)
 };
 
-// Blocks i0 .. i1 of (request, KV head, block by position) as B tiles; rows past the cache are zero rows.
-DRAFTHEAD_AMX_ATTN void attention_amx_blocks(const AttnArgs& a, const uint16_t* zero, int64_t i0, int64_t i1) {
+// Block k of request b's KV head kh by position (keys 16k .. 16k+15) as B tiles into kt and vd; rows past the
+// cache are zero rows.
+DRAFTHEAD_AMX_ATTN void position_block(const AttnArgs& a, int64_t b, int64_t kh, int64_t k, const uint16_t* zero,
+                                       uint32_t* kt, uint32_t* vd) {
+  const uint16_t* kb = a.Kp + b * a.kst.s0 + kh * a.kst.s1;
+  const uint16_t* vb = a.Vp + b * a.vst.s0 + kh * a.vst.s1;
   const uint16_t* kr[16];
   const uint16_t* vr[16];
+  for (int j = 0; j < 16; ++j) {
+    const int64_t at = 16 * k + j;
+    kr[j] = at < a.S ? kb + at * a.kst.s2 : zero;
+    vr[j] = at < a.S ? vb + at * a.vst.s2 : zero;
+  }
+  keys_tile(kr, a.D, kt);
+  values_tile(vr, a.D, vd);
+}
+
+// Blocks i0 .. i1 of (request, KV head, block by position) into the call's shared buffers.
+DRAFTHEAD_AMX_ATTN void attention_amx_blocks(const AttnArgs& a, const uint16_t* zero, int64_t i0, int64_t i1) {
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t b = i / (a.KVH * a.nbmax), kh = (i / a.nbmax) % a.KVH, k = i % a.nbmax;
-    if (k >= a.nb[b]) continue;
-    const uint16_t* kb = a.Kp + b * a.kst.s0 + kh * a.kst.s1;
-    const uint16_t* vb = a.Vp + b * a.vst.s0 + kh * a.vst.s1;
-    for (int j = 0; j < 16; ++j) {
-      const int64_t at = 16 * k + j;
-      kr[j] = at < a.S ? kb + at * a.kst.s2 : zero;
-      vr[j] = at < a.S ? vb + at * a.vst.s2 : zero;
-    }
-    keys_tile(kr, a.D, a.kt + i * a.D / 2 * 16);
-    values_tile(vr, a.D, a.vd + i * a.D * 16);
+    if (k < a.nb[b]) position_block(a, b, kh, k, zero, a.kt + i * a.D / 2 * 16, a.vd + i * a.D * 16);
   }
 }
 
@@ -1011,17 +1017,8 @@ DRAFTHEAD_AMX_ATTN void attention_amx_items(const AttnArgs& a, const uint16_t* z
     attn_tiles(static_cast<int>(R));
     for (int64_t k = 0; k < nb; ++k) {
       const uint32_t* bkt = kt;
-      if (a.kt) {
-        bkt = a.kt + ((b * KVH + kh) * a.nbmax + k) * D / 2 * 16;
-      } else {
-        for (int j = 0; j < 16; ++j) {
-          const int64_t at = 16 * k + j;
-          kr[j] = at < S ? kb + at * a.kst.s2 : zero;
-          vr[j] = at < S ? vb + at * a.vst.s2 : zero;
-        }
-        keys_tile(kr, D, kt);
-        values_tile(vr, D, vd + k * D * 16);
-      }
+      if (a.kt) bkt = a.kt + ((b * KVH + kh) * a.nbmax + k) * D / 2 * 16;
+      else position_block(a, b, kh, k, zero, kt, vd + k * D * 16);
       block_scores(qa, D, bkt, score + 16 * k, ps);
     }
     // a token whose keys are not its first positions: its own keys past the shared blocks, gathered
