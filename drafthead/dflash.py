@@ -21,8 +21,9 @@ Conventions (pinned by tests):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol, Self
+from typing import Any, NamedTuple, Protocol, Self
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from drafthead.options import shared
 from drafthead.runtime.contract import (ChainDraft, DraftMode, DraftState, Proposal, SessionView, SpecConfig,
                                         TargetLayers, inference)
 from drafthead.runtime.draft import CHAIN, chain_proposal
+from drafthead.vocab import draft_ids, target_to_draft
 
 
 @dataclass
@@ -91,6 +93,18 @@ class DflashTraining:
 
 
 @dataclass
+class OnBackbone:
+    """The keys a block drafter that adds a head of its own to DFlash's backbone (DSpark, Domino) has beside it."""
+
+    loss_decay_gamma: float = 4.0  # draft j weight exp(-j/gamma) under `decay` (speculators' DSpark default; 7 at B 16)
+    warm_start: str | None = None  # a DFlash draft directory (e.g. runs/dflash_smollm2/final): backbone from it
+
+    def check_on_backbone(self) -> None:
+        if self.loss_decay_gamma <= 0:
+            raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
+
+
+@dataclass
 class DflashLabels:
     """DFlash's training target, kept in its config (DSpark trains CE + TV instead)."""
 
@@ -103,11 +117,18 @@ class DflashOptions(DflashLabels, DflashTraining, DflashBackbone):
 
     loss_decay_gamma: float | None = None  # slot k weight exp(-(k-1)/gamma); null: 7 for B >= 16, else 4
 
+    # the block's head scores the N most frequent loss-masked target tokens (d2t / t2d, as EAGLE3's draft vocabulary):
+    # N rows of the target's head instead of all V in training and drafting; null = the whole vocabulary. Engines
+    # read the backbone alone and score every row (what the exports say)
+    draft_vocab_size: int | None = None
+
     def validate(self) -> None:
         self.check_backbone()
         self.check_training()
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size: {self.draft_vocab_size} (must be >= 1, or null: the whole vocabulary)")
         if self.labels not in LABELS:
             raise ValueError(f"labels: {self.labels!r} (choose from {', '.join(LABELS)})")
 
@@ -141,6 +162,7 @@ class DflashConfig(DflashTraining, DflashLabels):
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     loss_decay_gamma: float = 4.0
+    draft_vocab_size: int | None = None  # the rows of the target's head the block scores (d2t / t2d); None = all
 
     @property
     def num_draft_tokens(self) -> int:
@@ -235,8 +257,12 @@ class DflashDrafter(OwnLayers, nn.Module):
     def __init__(self, c: DflashConfig) -> None:
         super().__init__()
         self.config = c
+        N = c.draft_vocab_size or c.vocab_size
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)  # the target's, frozen, not saved
-        self.target_lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)  # the target's, frozen, not saved
+        self.target_lm_head = nn.Linear(c.hidden_size, N, bias=False)  # the target's (its d2t rows), frozen, not saved
+        # a draft vocabulary: d2t [N] offsets (target id = draft id + d2t), t2d [V] membership; saved
+        self.register_buffer("d2t", torch.zeros(N, dtype=torch.long) if c.draft_vocab_size else None)
+        self.register_buffer("t2d", torch.zeros(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size else None)
         for p in (self.embed_tokens.weight, self.target_lm_head.weight):
             p.requires_grad_(False)
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
@@ -262,7 +288,19 @@ class DflashDrafter(OwnLayers, nn.Module):
                             f"captured)")
         if (bad_mask := mask_token_problem(c.mask_token_id, tcfg.vocab_size)) is not None:
             problems.append(bad_mask)
+        rows = self.head_rows()
+        if rows is not None and int(rows.max()) >= tcfg.vocab_size:
+            problems.append(f"vocab: d2t maps draft ids to target id {int(rows.max())} >= target vocab "
+                            f"{tcfg.vocab_size}")
         return problems
+
+    def head_rows(self) -> torch.Tensor | None:
+        """The target ids of the head's rows (the draft vocabulary), None for all of them."""
+        return None if self.d2t is None else draft_ids(self.d2t)
+
+    def draft_to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        """Ids of the head's rows -> target ids."""
+        return idx if self.d2t is None else idx + self.d2t[idx]
 
     def check_data(self, samples: list[dict]) -> list[str]:
         """The mask token must never occur in the data (a block could not tell a mask slot from that token)."""
@@ -382,15 +420,22 @@ class DflashDrafter(OwnLayers, nn.Module):
         c = self.config
         ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
         out = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[:, :, 1:]  # [B, a, K, H] mask slots
-        logits = self.target_lm_head(out[b_idx, a_idx, k_idx])  # [M, V] (loss in fp32)
-        if c.labels == "soft":
-            teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, V]
-        else:
-            teach = F.one_hot(input_ids.flatten().index_select(0, rows + 1), c.vocab_size).float()
+        logits = self.target_lm_head(out[b_idx, a_idx, k_idx])  # [M, N] (loss in fp32)
+        N = logits.shape[-1]
+        to_row = (lambda t: t) if self.t2d is None else (lambda t: target_to_draft(self.t2d)[t])  # target id -> row
+        if c.labels == "soft":  # the teacher head computed the same N rows
+            teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, N]
+        else:  # a data token outside the draft vocabulary teaches nothing (a zero row)
+            tok = to_row(input_ids.flatten().index_select(0, rows + 1))  # [M], -1 outside
+            teach = F.one_hot(tok.clamp(min=0), N).float() * (tok >= 0)[:, None]
         loss, alpha = draft_loss(logits, teach, objective, not self.training)
-        logp = (logits.detach().float().log_softmax(-1).gather(1, labels[:, None])[:, 0]
-                if c.loss_weighting == "dpace" else logits.new_zeros(0))  # [M]
-        return loss, logits.new_zeros(0) if alpha is None else alpha, logits.detach().argmax(-1), logp
+        logp = logits.new_zeros(0)  # [M] D-PACE's log-probability of the target's token (-inf outside the vocabulary)
+        if c.loss_weighting == "dpace":
+            row = to_row(labels)
+            logp = logits.detach().float().log_softmax(-1).gather(1, row.clamp(min=0)[:, None])[:, 0]
+            logp = logp.masked_fill(row < 0, float("-inf"))
+        top = self.draft_to_target(logits.detach().argmax(-1))  # [M] target ids
+        return loss, logits.new_zeros(0) if alpha is None else alpha, top, logp
 
     def anchor_blocks(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor | None, anchors: torch.Tensor,
                       valid: torch.Tensor, ctx_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -439,6 +484,104 @@ def dpace_weights(logp: torch.Tensor, b_idx: torch.Tensor, a_idx: torch.Tensor, 
     c = q.cumprod(-1) * held  # [B, A, K]
     w = c.flip(-1).cumsum(-1).flip(-1)  # [B, A, K] sum over m >= j
     return w[b_idx, a_idx, slot]
+
+
+class PieceLoss(NamedTuple):
+    """A conditional block head's loss over one piece of anchors, per supervised draft [M]."""
+    loss: torch.Tensor  # what the draft trains on (the loop weighs it by `slot_weights`)
+    top: torch.Tensor  # the head's argmax (right when it is the target's token)
+    logp: torch.Tensor  # log-probability of the target's token (detached; D-PACE reads it)
+    ratios: dict[str, torch.Tensor]  # name -> per-draft values; the held-out eval reports their mean
+
+
+def drafts_loss(drafter: nn.Module, piece_loss: Callable[..., PieceLoss], ratio_names: tuple[str, ...],
+                input_ids: torch.Tensor, aux_hidden: torch.Tensor, target_argmax: torch.Tensor, loss_mask: torch.Tensor,
+                *tensors: torch.Tensor) -> dict[str, Any]:
+    """The training loop of a block head whose drafts read the drafts before them (DSpark's Markov head, Domino's
+    GRU), teacher-forced: the block forward gives every slot, and `piece_loss(input_ids, anchors, valid, b_idx,
+    a_idx, j_idx, pos, tgt, *tensors, *ctx_kv)` scores the supervised drafts of a piece of anchors. Draft j of a
+    block at anchor p predicts the token at p+j+1 (which slot it reads is the head's business); the data's tokens
+    stand in for the drafts before it. Returns the `Drafter.forward` dict: `loss`, per draft `step_loss` /
+    `correct` / `count`, and `ratios`: the block accept length, P(draft j right | drafts before it right) and the
+    pieces' own, `ratio_names` (every rank reports each, also from a batch with nothing supervised)."""
+    c = drafter.config
+    Bk, dev = c.block_size, input_ids.device
+    B, T = input_ids.shape
+    K = c.num_draft_tokens
+    gen = None if drafter.training else torch.Generator().manual_seed(0)
+    anchors, valid = sample_anchors(loss_mask, Bk, c.num_anchors, gen, c.overlap_anchors)  # [B, A] each
+    A = anchors.shape[1]
+    ctx_kv = drafter.context_kv(drafter.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
+
+    lab = anchors[:, :, None] + torch.arange(1, K + 1, device=dev)  # [B, A, K] position draft j predicts
+    inside = lab < T
+    lab = lab.clamp(max=T - 1)
+    ok = valid[:, :, None] & inside & loss_mask.gather(1, lab.flatten(1)).view_as(lab).bool()
+    tgt = target_argmax.gather(1, (lab - 1).flatten(1)).view_as(lab)  # [B, A, K]
+    ok = ok & (tgt >= 0)
+    totals = torch.zeros(2, device=dev)  # weighted loss, weights
+    step_loss, count, correct = (torch.zeros(K, device=dev) for _ in range(3))
+    extra = {name: torch.zeros(2, device=dev) for name in ratio_names}  # sum, count
+    slot_hit = torch.zeros(B, A, K, dtype=torch.bool, device=dev)
+    piece = piece_loss
+    if torch.is_grad_enabled():  # one piece's activations and [M, V] logits alive at a time (as DFlash)
+        piece = functools.partial(checkpoint, piece_loss, use_reentrant=False)
+    for s in range(0, A, c.anchor_chunk):
+        sl = slice(s, s + c.anchor_chunk)
+        b_idx, a_idx, j_idx = ok[:, sl].nonzero(as_tuple=True)  # M supervised drafts of this piece
+        if b_idx.numel() == 0:
+            continue
+        pos = lab[:, sl][b_idx, a_idx, j_idx]  # [M] the predicted token's position
+        got: PieceLoss = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, j_idx, pos,
+                               tgt[:, sl][b_idx, a_idx, j_idx], *tensors, *[t for kv in ctx_kv for t in kv])
+        w = slot_weights(c, j_idx, got.logp, b_idx, a_idx, (B, ok[:, sl].shape[1], K))  # [M]
+        totals = totals + torch.stack([(got.loss * w).sum(), w.sum()])
+        hit = got.top == tgt[:, sl][b_idx, a_idx, j_idx]
+        step_loss.index_add_(0, j_idx, got.loss.detach().float())
+        count.index_add_(0, j_idx, torch.ones_like(w))
+        correct.index_add_(0, j_idx, hit.float())
+        for name, v in got.ratios.items():
+            extra[name] = extra[name] + torch.stack([v.sum(), w.new_tensor(float(v.numel()))])
+        slot_hit[b_idx, a_idx + s, j_idx] = hit
+    run = slot_hit.long().cumprod(-1)  # [B, A, K]
+    before = torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1).bool() & ok
+    blocks = valid.sum().float()
+    return {"loss": totals[0] / totals[1].clamp(min=1e-6), "step_loss": step_loss / count.clamp(min=1),
+            "correct": correct, "count": count,
+            "ratios": {"block_accept_len": ((run.sum(-1) * valid).sum().float() + blocks, blocks),
+                       "cond_acc": ((before & slot_hit).sum((0, 1)).float(), before.sum((0, 1)).float()),
+                       **{name: (v[0], v[1]) for name, v in extra.items()}}}
+
+
+def warm_start_backbone(drafter: nn.Module, path: str, section: str) -> None:
+    """Copy every tensor of the DFlash draft at `path` into a block drafter built on DFlash's backbone (same
+    names, same shapes, or an error naming `drafter.<section>.warm_start`); the drafter's own heads stay."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    where = f"drafter.{section}.warm_start: {path}"
+    folder = Path(path)
+    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
+        raise ValueError(f"{where} is not a draft directory (config.json + model.safetensors)")
+    meta = json.loads((folder / "config.json").read_text())
+    if meta.get("family") != "dflash":
+        raise ValueError(f"{where} holds a {meta.get('family')!r} draft, not a DFlash one")
+    cfg, state = meta.get("draft") or {}, load_file(str(folder / "model.safetensors"))
+    mine = drafter.state_dict()
+    bad = [k for k, v in state.items() if k not in mine or mine[k].shape != v.shape]
+    bad += [k for k, v in state.items() if k not in bad and v.is_floating_point() and not bool(v.isfinite().all())]
+    if bad:
+        raise ValueError(f"{where} does not fit this draft's backbone (layers, sizes or target differ, or values "
+                         f"are not finite): {bad[:4]}")
+    c = drafter.config
+    for key in ("block_size", "mask_token_id", "target_layer_ids"):
+        if cfg.get(key) != getattr(c, key):
+            raise ValueError(f"{where} has {key}={cfg.get(key)!r}, this draft {getattr(c, key)!r}")
+    with torch.no_grad():
+        for k, v in state.items():
+            mine[k].copy_(v)
 
 
 def sample_anchors(loss_mask: torch.Tensor, block_size: int, num_anchors: int,
@@ -542,8 +685,9 @@ class BlockRunner:
 
     @inference
     def block_logits(self, roots: torch.Tensor) -> torch.Tensor:
-        """Slot logits [B, B-1, V] of one block forward (slot k predicts the token at lens+k)."""
-        return self.drafter.target_lm_head(self.block_out(roots)[:, 1:])  # [B, Bk-1, V]
+        """Slot logits [B, B-1, N] of one block forward over the head's rows (slot k predicts the token at lens+k;
+        N = V without a draft vocabulary)."""
+        return self.drafter.target_lm_head(self.block_out(roots)[:, 1:])  # [B, Bk-1, N]
 
     @inference
     def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None
@@ -554,14 +698,18 @@ class BlockRunner:
         Returns drafts [B, k] target ids and q [B, k, V] | None."""
         from drafthead.runtime.sampling import probs, sample
 
-        logits = self.block_logits(roots)[:, :k]  # [B, k, V]
+        d = self.drafter
+        logits = self.block_logits(roots)[:, :k]  # [B, k, N]
         if temperature == 0:
-            return ChainDraft(logits.argmax(-1))
-        q = probs(logits, temperature, top_p)  # [B, k, V]
+            return ChainDraft(d.draft_to_target(logits.argmax(-1)))
+        q = probs(logits, temperature, top_p)  # [B, k, N]
         B = roots.shape[0]
         u = torch.rand(B, k, generator=gen, device=roots.device)
         drafts = torch.stack([sample(q[:, j], u[:, j]) for j in range(k)], dim=1)
-        return ChainDraft(drafts, q)
+        if d.d2t is None:
+            return ChainDraft(drafts, q)
+        full = q.new_zeros(B, k, d.config.vocab_size).index_copy_(2, d.head_rows(), q)  # [B, k, V] zero outside
+        return ChainDraft(d.draft_to_target(drafts), full)
 
 
 def propose_block(state: BlockState, roots: torch.Tensor, lengths: torch.Tensor, spec: SpecConfig,
@@ -590,9 +738,33 @@ def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_
     c = DflashConfig.from_target(tcfg, num_hidden_layers=options.num_layers, mask_token_id=options.mask_token_id,
                                  target_layer_ids=target_layer_ids(tcfg, options, layer_ids),
                                  intermediate_size=options.intermediate_size, loss_decay_gamma=gamma,
+                                 draft_vocab_size=draft_vocab_size,
                                  **shared(options, DflashTraining), **shared(options, DflashLabels))
     check_built(c, tcfg, "dflash")
     return c
+
+
+def build_with_head(config_cls: type[DflashConfig], head: type, tcfg: Any, options: Any, layer_ids: list[int] | None,
+                    section: str) -> Any:
+    """The config of a block drafter that adds a head of its own to DFlash's backbone (DSpark, Domino): the
+    backbone's fields from the options, then the head's (`head`, the dataclass its options and config both extend),
+    checked against the target under `drafter.<section>`."""
+    c = config_cls.from_target(
+        tcfg, num_hidden_layers=options.num_layers, mask_token_id=options.mask_token_id,
+        target_layer_ids=target_layer_ids(tcfg, options, layer_ids), intermediate_size=options.intermediate_size,
+        loss_decay_gamma=options.loss_decay_gamma, **shared(options, DflashTraining), **shared(options, head))
+    check_built(c, tcfg, section)
+    return c
+
+
+def init_with_warm_start(drafter: DflashDrafter, target: Any, options: Any, section: str, layout: str = "") -> str:
+    """DFlash's init (the target's embedding, head rows and final norm; its last layers with `init: target`), then
+    the backbone of the DFlash draft `options.warm_start` names, if any (`layout`: how its slots line up here)."""
+    said = init(drafter, target, DflashOptions(init=options.init, mask_token_id=options.mask_token_id))
+    if options.warm_start is None:
+        return said
+    warm_start_backbone(drafter, options.warm_start, section)
+    return f"backbone from the DFlash draft {options.warm_start}{layout}"
 
 
 def target_layer_ids(tcfg: Any, options: Any, layer_ids: list[int] | None) -> list[int]:
@@ -623,7 +795,8 @@ def init(drafter: DflashDrafter, target: Any, options: DflashOptions) -> str:
 
     with torch.no_grad():
         drafter.embed_tokens.weight.copy_(input_embedding_weight(target.model))
-        drafter.target_lm_head.weight.copy_(lm_head_weight(target.model))
+        head, rows = lm_head_weight(target.model), drafter.head_rows()  # d2t is set before init
+        drafter.target_lm_head.weight.copy_(head if rows is None else head[rows])
         # the head is the target's: its final norm is the scale that head expects (SmolLM2's tied head gives
         # logits in the hundreds, a first loss of ~70, behind a unit norm)
         drafter.norm.weight.copy_(final_norm_weight(target.model))
@@ -639,7 +812,8 @@ def init(drafter: DflashDrafter, target: Any, options: DflashOptions) -> str:
 
 
 def describe(options: DflashOptions, config: DflashConfig) -> str:
-    return (f"{config.num_hidden_layers} layer(s), block {config.block_size}, features of layers "
+    vocab = f", draft vocab {config.draft_vocab_size}" if config.draft_vocab_size else ""
+    return (f"{config.num_hidden_layers} layer(s), block {config.block_size}{vocab}, features of layers "
             f"{config.target_layer_ids} (outputs), mask token {config.mask_token_id}")
 
 
@@ -653,7 +827,8 @@ def eval_summary(res: dict[str, float]) -> str:
 
 FAMILY = Family(
     name="dflash", options=DflashOptions, config=DflashConfig, model=DflashDrafter, build=build, init=init,
-    losses=LOSSES, reduced_vocab=False, describe=describe, eval_summary=eval_summary,
+    losses=LOSSES, reduced_vocab=lambda options: options.draft_vocab_size is not None, describe=describe,
+    eval_summary=eval_summary,
     exporters={"dflash": "drafthead.export.dflash:to_dflash", "speculators": "drafthead.export.dflash:to_speculators",
                "gguf": "drafthead.export.dflash:to_gguf"},
     readers={"dflash": "drafthead.export.dflash:read_back", "speculators": "drafthead.export.dflash:read_back",

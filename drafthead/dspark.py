@@ -22,20 +22,18 @@ names) starts exactly where that draft ended when the layouts agree (`sample_fro
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from drafthead.dflash import (BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining, check_built,
-                              eval_summary, sample_anchors, slot_weights, target_layer_ids)
+from drafthead.dflash import (BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining, OnBackbone,
+                              PieceLoss, build_with_head, drafts_loss, eval_summary, init_with_warm_start,
+                              warm_start_backbone)
 from drafthead.family import Family
 from drafthead.losses import Objective
-from drafthead.options import shared
 from drafthead.runtime.contract import ChainDraft, DraftMode, DraftState, Proposal, SpecConfig, inference
 from drafthead.runtime.draft import CHAIN, chain_proposal
 
@@ -62,18 +60,14 @@ class DsparkTraining:
 
 
 @dataclass
-class DsparkOptions(DsparkTraining, DflashTraining, DflashBackbone):
+class DsparkOptions(OnBackbone, DsparkTraining, DflashTraining, DflashBackbone):
     """The recipe section `drafter.dspark.*`: the DFlash backbone's keys (`block_size`: the block drafted in one
     forward, see `sample_from_anchor`), then DSpark's own."""
-
-    loss_decay_gamma: float = 4.0  # draft j weight exp(-j/gamma) (speculators' dspark default)
-    warm_start: str | None = None  # a DFlash draft directory (e.g. runs/dflash_smollm2/final): backbone from it
 
     def validate(self) -> None:
         self.check_backbone()
         self.check_training()
-        if self.loss_decay_gamma <= 0:
-            raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
+        self.check_on_backbone()
         self.check_heads()
 
 
@@ -149,68 +143,21 @@ class DsparkDrafter(DflashDrafter):
         """The per-draft loss over sampled anchor blocks, with teacher-forced prev tokens (the data's).
 
         Shapes as `DflashDrafter.forward`; teacher_probs [B, T, V] is the target's full-vocab distribution.
-        Returns `loss`, per draft `step_loss` / `correct` / `count`, `accept_len` / `blocks` (the greedy run of
-        right drafts per block), `cond_correct` / `cond_count`, and `conf_error` / `conf_count` (the summed
-        |sigmoid(confidence) - soft acceptance label|: how well the stop is calibrated).
+        Returns `dflash.drafts_loss`'s dict; with a confidence head its ratios add `confidence_error`, the mean
+        |sigmoid(confidence) - soft acceptance label| (how well the stop is calibrated).
         """
         if objective is not None:  # FAMILY.losses is empty: the config refuses train.loss before this
             raise ValueError("dspark trains its own loss only (train.loss must stay null)")
-        c = self.config
-        Bk, dev = c.block_size, input_ids.device
-        B, T = input_ids.shape
-        K = c.num_draft_tokens
-        gen = None if self.training else torch.Generator().manual_seed(0)
-        anchors, valid = sample_anchors(loss_mask, Bk, c.num_anchors, gen, c.overlap_anchors)  # [B, A] each
-        A = anchors.shape[1]
-        ctx_kv = self.context_kv(self.fuse(aux_hidden), torch.arange(T, device=dev).expand(B, T))
-
-        lab = anchors[:, :, None] + torch.arange(1, K + 1, device=dev)  # [B, A, K] position draft j predicts
-        inside = lab < T
-        lab = lab.clamp(max=T - 1)
-        ok = valid[:, :, None] & inside & loss_mask.gather(1, lab.flatten(1)).view_as(lab).bool()
-        tgt = target_argmax.gather(1, (lab - 1).flatten(1)).view_as(lab)  # [B, A, K]
-        ok = ok & (tgt >= 0)
-        totals = torch.zeros(2, device=dev)  # weighted loss, weights
-        step_loss, count, correct = (torch.zeros(K, device=dev) for _ in range(3))
-        conf_stats = torch.zeros(2, device=dev)
-        slot_hit = torch.zeros(B, A, K, dtype=torch.bool, device=dev)
-        piece = self._piece_loss
-        if torch.is_grad_enabled():  # one piece's activations and [M, V] logits alive at a time (as DFlash)
-            piece = functools.partial(checkpoint, self._piece_loss, use_reentrant=False)
-        for s in range(0, A, c.anchor_chunk):
-            sl = slice(s, s + c.anchor_chunk)
-            b_idx, a_idx, j_idx = ok[:, sl].nonzero(as_tuple=True)  # M supervised drafts of this piece
-            if b_idx.numel() == 0:
-                continue
-            pos = lab[:, sl][b_idx, a_idx, j_idx]  # [M] the predicted token's position
-            loss_m, top, conf_err, logp = piece(input_ids, anchors[:, sl], valid[:, sl], b_idx, a_idx, j_idx, pos,
-                                                tgt[:, sl][b_idx, a_idx, j_idx], teacher_probs,
-                                                *[t for kv in ctx_kv for t in kv])  # [M] each
-            w = slot_weights(c, j_idx, logp, b_idx, a_idx, (B, ok[:, sl].shape[1], K))  # [M]
-            totals = totals + torch.stack([(loss_m * w).sum(), w.sum()])
-            hit = top == tgt[:, sl][b_idx, a_idx, j_idx]
-            step_loss.index_add_(0, j_idx, loss_m.detach().float())
-            count.index_add_(0, j_idx, torch.ones_like(w))
-            correct.index_add_(0, j_idx, hit.float())
-            if conf_err is not None:
-                conf_stats = conf_stats + torch.stack([conf_err.sum(), w.new_tensor(float(conf_err.numel()))])
-            slot_hit[b_idx, a_idx + s, j_idx] = hit
-        run = slot_hit.long().cumprod(-1)  # [B, A, K]
-        before = torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1).bool() & ok
-        blocks = valid.sum().float()
-        return {"loss": totals[0] / totals[1].clamp(min=1e-6), "step_loss": step_loss / count.clamp(min=1),
-                "correct": correct, "count": count,
-                "ratios": {"block_accept_len": ((run.sum(-1) * valid).sum().float() + blocks, blocks),
-                           "cond_acc": ((before & slot_hit).sum((0, 1)).float(), before.sum((0, 1)).float()),
-                           "confidence_error": (conf_stats[0], conf_stats[1])}}
+        names = ("confidence_error",) if self.confidence_head is not None else ()
+        return drafts_loss(self, self._piece_loss, names, input_ids, aux_hidden, target_argmax, loss_mask,
+                           teacher_probs)
 
     def _piece_loss(self, input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, b_idx: torch.Tensor,
                     a_idx: torch.Tensor, j_idx: torch.Tensor, pos: torch.Tensor, tgt: torch.Tensor,
-                    teacher_probs: torch.Tensor, *ctx_flat: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """Per supervised draft [M]: its loss (CE + TV + BCE, weighted by the options), its argmax,
-        |confidence - label| (None without a confidence head) and its log-probability of the target's token
-        (detached; D-PACE's weights read it)."""
+                    teacher_probs: torch.Tensor, *ctx_flat: torch.Tensor) -> PieceLoss:
+        """Per supervised draft [M]: its loss (CE + TV + BCE, weighted by the options), its argmax, its
+        log-probability of the target's token, and |confidence - label| (the ratio `confidence_error`, with a
+        confidence head)."""
         c = self.config
         T = input_ids.shape[1]
         ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
@@ -223,13 +170,13 @@ class DsparkDrafter(DflashDrafter):
         tv = 0.5 * (q - p).abs().sum(-1)  # [M] total variation; 1 - tv = P(a sample of q is accepted)
         ce = F.cross_entropy(logits, tgt, reduction="none")  # [M]
         loss = c.ce_weight * ce + c.tv_weight * tv
-        err = None
+        ratios = {}
         if conf is not None:
             label = (1 - tv).detach().clamp(0, 1)
             loss = loss + c.confidence_weight * F.binary_cross_entropy_with_logits(conf.float(), label,
                                                                                   reduction="none")
-            err = (conf.detach().float().sigmoid() - label).abs()
-        return loss, logits.detach().argmax(-1), err, -ce.detach()
+            ratios["confidence_error"] = (conf.detach().float().sigmoid() - label).abs()
+        return PieceLoss(loss, logits.detach().argmax(-1), -ce.detach(), ratios)
 
 
 # ---- inference: the block forward, then the slots left to right -------------------------------------
@@ -299,63 +246,24 @@ DSPARK_BLOCK = replace(CHAIN, propose=propose_dspark, state=DsparkState, check=c
 # ---- the family record ------------------------------------------------------------------------------
 def build(tcfg: Any, options: DsparkOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
           ) -> DsparkConfig:
-    c = DsparkConfig.from_target(
-        tcfg, num_hidden_layers=options.num_layers, mask_token_id=options.mask_token_id,
-        target_layer_ids=target_layer_ids(tcfg, options, layer_ids), intermediate_size=options.intermediate_size,
-        loss_decay_gamma=options.loss_decay_gamma, **shared(options, DflashTraining), **shared(options, DsparkTraining))
-    check_built(c, tcfg, "dspark")
-    return c
+    return build_with_head(DsparkConfig, DsparkTraining, tcfg, options, layer_ids, "dspark")
 
 
 def init(drafter: DsparkDrafter, target: Any, options: DsparkOptions) -> str:
-    """DFlash's init (the target's embedding, head and final norm; its last layers with `init: target`), then
-    the backbone of a DFlash draft when `warm_start` names one."""
-    from drafthead.dflash import init as dflash_init
-
-    said = dflash_init(drafter, target, _dflash_options(options))
-    if options.warm_start is None:
-        return said
-    return warm_start(drafter, options.warm_start)
-
-
-def _dflash_options(options: DsparkOptions) -> Any:
-    """The DFlash options DFlash's init reads (only `init`)."""
-    from drafthead.dflash import DflashOptions
-
-    return DflashOptions(init=options.init, mask_token_id=options.mask_token_id)
+    return init_with_warm_start(drafter, target, options, "dspark", layout(drafter))
 
 
 def warm_start(drafter: DsparkDrafter, path: str) -> str:
-    """Copy every backbone tensor of the DFlash draft at `path` (same names, same shapes, or a named error)."""
-    import json
-    from pathlib import Path
+    """Every backbone tensor of the DFlash draft at `path` (same names, same shapes, or a named error)."""
+    warm_start_backbone(drafter, path, "dspark")
+    return f"backbone from the DFlash draft {path}{layout(drafter)}"
 
-    from safetensors.torch import load_file
 
-    folder = Path(path)
-    if not (folder / "config.json").is_file() or not (folder / "model.safetensors").is_file():
-        raise ValueError(f"drafter.dspark.warm_start: {path} is not a draft directory (config.json + "
-                         f"model.safetensors)")
-    meta = json.loads((folder / "config.json").read_text())
-    if meta.get("family") != "dflash":
-        raise ValueError(f"drafter.dspark.warm_start: {path} holds a {meta.get('family')!r} draft, not a DFlash one")
-    cfg, state = meta.get("draft") or {}, load_file(str(folder / "model.safetensors"))
-    mine = drafter.state_dict()
-    bad = [k for k, v in state.items() if k not in mine or mine[k].shape != v.shape]
-    bad += [k for k, v in state.items() if k not in bad and v.is_floating_point() and not bool(v.isfinite().all())]
-    if bad:
-        raise ValueError(f"drafter.dspark.warm_start: {path} does not fit this draft's backbone (layers, sizes or "
-                         f"target differ, or values are not finite): {bad[:4]}")
-    c = drafter.config
-    for key in ("block_size", "mask_token_id", "target_layer_ids"):
-        if cfg.get(key) != getattr(c, key):
-            raise ValueError(f"drafter.dspark.warm_start: {path} has {key}={cfg.get(key)!r}, this draft "
-                             f"{getattr(c, key)!r}")
-    with torch.no_grad():
-        for k, v in state.items():
-            mine[k].copy_(v)
-    shift = "" if not c.sample_from_anchor else " (its slots read one position earlier here: sample_from_anchor)"
-    return f"backbone from the DFlash draft {path}{shift}"
+def layout(drafter: DsparkDrafter) -> str:
+    """How a DFlash draft's slots line up in this DSpark's block."""
+    if not drafter.config.sample_from_anchor:
+        return ""
+    return " (its slots read one position earlier here: sample_from_anchor)"
 
 
 def describe(options: DsparkOptions, config: DsparkConfig) -> str:

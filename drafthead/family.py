@@ -30,8 +30,9 @@ class Family:
     init: Callable[[nn.Module, Any, Any], str]
     # predicts over a draft vocabulary (d2t / t2d from the loss-masked training tokens, sized by
     # `options.draft_vocab_size`): the capture then stores the target's full-vocab argmax and the teacher
-    # head computes the draft rows only. False = the full target vocabulary.
-    reduced_vocab: bool
+    # head computes the draft rows only. False = the full target vocabulary; a function of the options where the
+    # recipe chooses (DFlash: `draft_vocab_size` set or null). Read it through `predicts_draft_vocab`.
+    reduced_vocab: bool | Callable[[Any], bool]
     # export format -> "module:function" (imported when used, so a family file does not import exporters);
     # each function is `export(draft: LoadedDraft, out, target=None, **options) -> Path`, its keyword
     # options are what `drafthead export` accepts for that format
@@ -61,6 +62,10 @@ class Family:
     # the simulated accept length)
     eval_summary: Callable[[dict[str, float]], str] | None = None
 
+    def predicts_draft_vocab(self, options: Any) -> bool:
+        """Whether a draft built from these options predicts over a draft vocabulary (`reduced_vocab`)."""
+        return self.reduced_vocab(options) if callable(self.reduced_vocab) else self.reduced_vocab
+
 
 class Drafter(Protocol):
     """The drafter module as the shared code sees it (attributes and methods every family provides).
@@ -74,6 +79,9 @@ class Drafter(Protocol):
         its own go in `ratios`, {name: (numerator, denominator)}, scalars or vectors summed over held-out batches
         and ranks; the held-out eval reports `eval/<name>` = their ratio (a vector: `eval/<name>_<i>`), naming
         none itself. Block drafters report `block_accept_len` and `cond_acc`, DSpark `confidence_error`.
+        `schedule(step, total_steps)`: called before each optimizer step's forward with where the run is (the
+        planned total moves with the time budget); a loss that changes over training reads it (Domino's
+        curriculum), the others ignore it. Held-out evals run at the step's setting.
     Capture: `capture_layer_ids()` (inputs of these target decoder layers, `[]` = none); the target's last
         hidden state (after its final norm) is always captured, the teacher distribution comes from it.
     Runtime (drafthead/runtime):
@@ -93,8 +101,9 @@ class Drafter(Protocol):
     Saving: every tensor of `state_dict()` except `registry.NOT_SAVED` and `target_tensors()` (the target's
         embedding, head and layers a family reads through: taken back from the target on load).
         `reads_target_head`: the drafter holds a frozen `target_lm_head` (filled from the target's head on
-        load); `shares_target_layers`: it is built on the target's own layers, so loading needs the target
-        model and calls `attach_target(target_model)`, which only such families define.
+        load: the rows `head_rows()` names, its draft vocabulary's target ids, or every row for None);
+        `shares_target_layers`: it is built on the target's own layers, so loading needs the target model and
+        calls `attach_target(target_model)`, which only such families define.
     Every drafter class has all of these, most from `OwnLayers` below (tests/test_families.py checks it): the
     shared code never probes.
     """
@@ -119,6 +128,10 @@ class Drafter(Protocol):
 
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> DraftState: ...
 
+    def schedule(self, step: int, total_steps: int) -> None: ...
+
+    def head_rows(self) -> torch.Tensor | None: ...
+
 
 class OwnLayers:
     """The `Drafter` hooks' answers for a drafter that runs only its own layers and holds nothing of the target
@@ -136,6 +149,12 @@ class OwnLayers:
 
     def runtime_module(self) -> nn.Module | None:
         return None  # the runtime drafts with a copy whose linears are packed for the CPU kernels
+
+    def schedule(self, step: int, total_steps: int) -> None:
+        """Nothing moves with training's progress (a loss that does overrides this)."""
+
+    def head_rows(self) -> torch.Tensor | None:
+        return None  # a `target_lm_head`, where the family reads one, holds every row of the target's head
 
 
 def resolve(spec: str) -> Callable[..., Any]:

@@ -367,6 +367,12 @@ class LoraDrafter(nn.Module):
         runtime's own kernels, see `SelfDraftRunner`)."""
         return self.merged().eval()
 
+    def schedule(self, step: int, total_steps: int) -> None:
+        """Nothing moves with training's progress."""
+
+    def head_rows(self) -> torch.Tensor | None:
+        return None  # its head is the target's, every row
+
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> ChainState:  # mypy checks the runner
         return SelfDraftRunner(self.merged(), batch, capacity, device)
 

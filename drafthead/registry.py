@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafthead import dflash, dspark, eagle3, lora, mtp, peagle
+from drafthead import dflash, domino, dspark, eagle3, lora, mtp, peagle
 from drafthead.family import Family
 from drafthead.io import atomic_dir
 from drafthead.vocab import draft_ids
@@ -32,6 +32,7 @@ FAMILIES: dict[str, Family] = {
     "dspark": dspark.FAMILY,
     "lora": lora.FAMILY,
     "peagle": peagle.FAMILY,
+    "domino": domino.FAMILY,
 }
 # frozen copies of the target's tensors, taken back from the target on load: every family's token
 # embedding, and the output head of families that read through the target's own (DFlash)
@@ -137,7 +138,7 @@ def check_state(state: dict[str, torch.Tensor], fam: Family, config: Any, where:
             raise error(f"{where}: tensor {k} has shape {tuple(state[k].shape)}, the config implies {shape}")
         if state[k].is_floating_point() and not bool(torch.isfinite(state[k]).all()):
             raise error(f"{where}: tensor {k} has NaN/inf values")
-    if fam.reduced_vocab:
+    if "d2t" in want:  # a draft vocabulary (EAGLE3 always, DFlash when its recipe chose one)
         check_vocab(state["d2t"], state["t2d"], where, error)
 
 
@@ -183,12 +184,19 @@ def load_draft(path: str | os.PathLike, embed_weight: torch.Tensor | None = None
 
 def attach_head(drafter: torch.nn.Module, head_weight: torch.Tensor | None,
                 error: type[ValueError] = ValueError) -> None:
-    """Copy the target's output head [V, H] into a draft that reads through it (no-op for the others)."""
+    """Copy the target's output head [V, H] into a draft that reads through it (no-op for the others): the rows
+    `head_rows()` names where the draft predicts over a draft vocabulary."""
     if not drafter.reads_target_head:
         return
     head = drafter.target_lm_head
     if head_weight is None:
         raise error(f"a {drafter.family} draft reads through the target's output head: pass head_weight")
+    rows = drafter.head_rows()
+    if rows is not None:
+        if int(rows.max()) >= head_weight.shape[0]:
+            raise error(f"the draft's vocabulary reaches target id {int(rows.max())}, the target's head has "
+                        f"{head_weight.shape[0]} rows")
+        head_weight = head_weight[rows.to(head_weight.device)]
     if tuple(head_weight.shape) != tuple(head.weight.shape):
         raise error(f"target head {tuple(head_weight.shape)} does not match the draft's {tuple(head.weight.shape)}")
     with torch.no_grad():

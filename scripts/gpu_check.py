@@ -228,7 +228,8 @@ def measure_training(cfg, target, samples: list[dict], device: torch.device, d, 
     fdt = feature_dtype(cfg.capture.dtype)
 
     def micro(i: int) -> dict:
-        batch = make_batch([samples[i % len(samples)]], target, layer_ids, fdt, False, device, fam.reduced_vocab)
+        batch = make_batch([samples[i % len(samples)]], target, layer_ids, fdt, False, device,
+                           fam.predicts_draft_vocab(getattr(cfg.drafter, fam.name)))
         out = forward_backward(engine, batch, head, cfg.train.dtype, device)
         engine.step()
         return out

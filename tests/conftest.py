@@ -99,6 +99,21 @@ def tiny_sharegpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def specforge_domino():
+    """SpecForge 0.2.0's `specforge.modeling.draft.domino` from its peer site (tests/peers.py), or a skip naming why
+    it could not be had."""
+    import importlib
+
+    from tests.peers import SPECFORGE, add_to_path
+
+    try:
+        add_to_path(SPECFORGE)
+    except RuntimeError as e:  # no package index here
+        pytest.skip(f"specforge 0.2.0 could not be fetched: {e}")
+    return importlib.import_module("specforge.modeling.draft.domino")
+
+
+@pytest.fixture(scope="session")
 def speculators_models():
     """The `speculators.models` package (0.9.0) from its peer site (tests/peers.py), or a skip naming why it could
     not be had. The site goes at the END of sys.path: what is installed wins."""

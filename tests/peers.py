@@ -69,7 +69,20 @@ DFLASH = PeerSite(
     prepend=True,
 )
 
-PEERS = (SPECULATORS, DFLASH)
+SPECFORGE = PeerSite(
+    name="specforge-0.2.0",
+    roots=(("specforge", "0.2.0"),),
+    entry_points=("specforge.modeling.draft.domino",),
+    leave_out={
+        "sglang": "its serving engine (CUDA); the draft model modules never import it",
+        "yunchang": "sequence parallelism for training; the draft model modules never import it",
+        "openai-harmony": "chat formats of its data pipeline; the draft model modules never import it",
+        "tensorboard": "training logs; the draft model modules never import it",
+        "wandb": "training logs; the draft model modules never import it",
+    },
+)
+
+PEERS = (SPECULATORS, DFLASH, SPECFORGE)
 
 
 def environment_paths() -> list[str]:

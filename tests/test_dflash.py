@@ -350,3 +350,63 @@ def test_sampled_block_drafting_matches_the_target():
     res = SpeculativeGenerator(target, drafter).generate([prompt] * 8000, 3, spec_p)
     tv = 0.5 * float((empirical_joint(res, 3) - exact_joint(target, prompt, 3, 0.7, 0.8)).abs().sum())
     assert tv < 0.07, tv
+
+
+def test_a_draft_vocabulary_trains_and_drafts_over_its_rows_and_exports_the_backbone(qwen3, tiny_qwen3_dir, tmp_path):
+    """`draft_vocab_size`: the block's head is the target head's rows of the draft vocabulary (training, teacher and
+    drafting alike), drafts are target ids and greedy output stays the target's, sampled drafts carry q zero
+    outside the vocabulary, the draft saves and loads with its d2t / t2d, and the exports hold the backbone only
+    (engines draft through the target's whole head)."""
+    from test_families import samples
+
+    from drafthead.registry import draft_state_dict, load_draft
+    from drafthead.trainer.config import ConfigError, load_config
+    from drafthead.trainer.prepare import build_draft
+    from drafthead.trainer.step import drafter_inputs, make_batch
+
+    cfg = load_config(["drafter.family=dflash", f"target.name_or_path={tiny_qwen3_dir}", "target.dtype=float32",
+                       "train.dtype=float32", "drafter.dflash.mask_token_id=2", "drafter.dflash.block_size=4",
+                       "drafter.dflash.num_layers=2", "drafter.dflash.target_layer_ids=[0,2]",
+                       "drafter.dflash.draft_vocab_size=64"])
+    V, H = qwen3.config.vocab_size, qwen3.config.hidden_size
+    train = samples(V)
+    torch.manual_seed(0)
+    ds = build_draft(cfg, qwen3, train, torch.device("cpu"), log=lambda *a: None)
+    d = ds.drafter
+    rows = d.head_rows()
+    assert rows.numel() == 64 and int(d.t2d.sum()) == 64 and bool(d.t2d[rows].all())
+    assert torch.equal(d.target_lm_head.weight, lm_head_weight(qwen3.model)[rows])
+    assert tuple(ds.head.draft_weight.shape) == (64, H)  # the teacher scores the same rows
+    batch = make_batch(train[:2], qwen3, d.capture_layer_ids(), torch.float32, False, torch.device("cpu"), True)
+    out = d.train()(**drafter_inputs(batch, ds.head))
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and d.fc.weight.grad is not None and int(out["count"].sum()) > 0
+
+    d.eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    gen = SpeculativeGenerator(qwen3, d)
+    prompts = [s["input_ids"][:12] for s in samples(V, n=3, seed=5)]
+    ar = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+    for bs in (1, 3):
+        got = gen.generate(prompts, 16, SpecConfig(mode="block", num_speculative_tokens=3, batch_size=bs))
+        assert [r.tokens for r in got] == ar
+    runner = d.draft_state(1, 32, torch.device("cpu"))
+    ids = torch.tensor([prompts[0]])
+    runner.extend(ids, capture(qwen3.model, ids, None, d.capture_layer_ids())[0], torch.tensor([12]))
+    drawn = runner.block(torch.tensor([7]), 3, 1.0, 1.0, torch.Generator().manual_seed(0))
+    assert bool(d.t2d[drawn.drafts].all()) and tuple(drawn.q.shape) == (1, 3, V)
+    assert float(drawn.q[..., ~d.t2d].abs().sum()) == 0 and torch.allclose(drawn.q.sum(-1), torch.ones(1, 3))
+
+    src = save_draft(d, tmp_path / "final", {**qwen3.info(), "name_or_path": str(tiny_qwen3_dir)})
+    back = load_draft(src, target=qwen3.model)
+    assert torch.equal(back.d2t, d.d2t) and torch.equal(back.target_lm_head.weight, d.target_lm_head.weight)
+    zcfg, tensors = read_exported(export(src, "dflash", tmp_path / "zlab", outtype="f32"))
+    assert zcfg.draft_vocab_size is None and set(tensors) == set(draft_state_dict(d)) - {"d2t", "t2d"}
+
+    with pytest.raises(ConfigError, match=r"drafter\.dflash\.draft_vocab_size': 0 \(must be >= 1"):
+        load_config(["drafter.family=dflash", "drafter.dflash.mask_token_id=2", "drafter.dflash.draft_vocab_size=0"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'drafter\.dspark\.draft_vocab_size'"):
+        load_config(["drafter.dspark.draft_vocab_size=64"])

@@ -134,17 +134,23 @@ def test_confidence_stop_cuts_drafts_and_stays_lossless(qwen3):
     assert any(n < 4 for r in spec for n in r.num_drafted)  # the stop cut some rounds
 
 
-def test_warm_start_from_dflash_computes_the_dflash_draft(qwen3, tiny_qwen3_dir, tmp_path):
-    """A DSpark warm-started from a DFlash draft in DFlash's layout (sample_from_anchor false) drafts exactly what
-    that DFlash draft drafts (W2 starts at zero); names that do not fit are a named error."""
+def saved_dflash(qwen3, tiny_qwen3_dir, tmp_path, block_size: int):
+    """A random DFlash draft of 2 layers saved as a draft directory (a warm start's source): (drafter, path, info)."""
     torch.manual_seed(0)
-    dflash = DflashDrafter(dflash_build(qwen3.config, DflashOptions(num_layers=2, block_size=4, mask_token_id=2,
-                                                                      target_layer_ids=[0, 2]), None, None))
+    dflash = DflashDrafter(dflash_build(qwen3.config, DflashOptions(num_layers=2, block_size=block_size,
+                                                                      mask_token_id=2, target_layer_ids=[0, 2]),
+                                        None, None))
     with torch.no_grad():
         for p in dflash.parameters():
             p.add_(0.05 * torch.randn_like(p))
     info = {**qwen3.info(), "name_or_path": str(tiny_qwen3_dir)}
-    src = save_draft(dflash, tmp_path / "dflash", info)
+    return dflash, save_draft(dflash, tmp_path / "dflash", info), info
+
+
+def test_warm_start_from_dflash_computes_the_dflash_draft(qwen3, tiny_qwen3_dir, tmp_path):
+    """A DSpark warm-started from a DFlash draft in DFlash's layout (sample_from_anchor false) drafts exactly what
+    that DFlash draft drafts (W2 starts at zero); names that do not fit are a named error."""
+    dflash, src, info = saved_dflash(qwen3, tiny_qwen3_dir, tmp_path, 4)
     opts = DsparkOptions(num_layers=2, block_size=4, mask_token_id=2, target_layer_ids=[0, 2], markov_rank=8,
                          sample_from_anchor=False, warm_start=str(src))
     d = DsparkDrafter(build(qwen3.config, opts, None, None))

@@ -39,6 +39,9 @@ SMALL = {"eagle3": ["drafter.eagle3.draft_vocab_size=128", "drafter.eagle3.num_d
                     "drafter.dflash.target_layer_ids=[0,2]"],
          "dspark": ["drafter.dspark.mask_token_id=2", "drafter.dspark.block_size=4", "drafter.dspark.num_layers=2",
                     "drafter.dspark.target_layer_ids=[0,2]", "drafter.dspark.markov_rank=8"],
+         "domino": ["drafter.domino.mask_token_id=2", "drafter.domino.block_size=4", "drafter.domino.num_layers=2",
+                    "drafter.domino.target_layer_ids=[0,2]", "drafter.domino.gru_hidden_dim=16",
+                    "drafter.domino.emb_dim=8"],
          "lora": ["drafter.lora.exit_layer=1", "drafter.lora.rank=4"],
          "peagle": ["drafter.peagle.draft_vocab_size=128", "drafter.peagle.num_draft_tokens=3",
                     "drafter.peagle.mask_token_id=2", "capture.layer_ids=[1,2,3]"]}
@@ -99,7 +102,7 @@ def test_speaks_every_declared_hook(built):
 def test_builds_with_the_declared_vocabulary_and_features(built):
     fam, ds, target = FAMILIES[built["name"]], built["ds"], built["target"]
     assert ds.drafter.family == fam.name and isinstance(ds.drafter, fam.model)
-    assert (ds.d2t is not None) == fam.reduced_vocab
+    assert (ds.d2t is not None) == fam.predicts_draft_vocab(getattr(built["cfg"].drafter, fam.name))
     assert ds.drafter.features in ("aux", "last")
     assert ds.drafter.draft_modes and all(isinstance(m, DraftMode) for m in ds.drafter.draft_modes.values())
     assert ds.drafter.check_target(target.config) == []
@@ -111,7 +114,7 @@ def test_three_steps_lower_the_loss_on_a_fixed_batch(built):
     fam, ds, target, cfg = FAMILIES[built["name"]], built["ds"], built["target"], built["cfg"]
     drafter = ds.drafter
     batch = make_batch(built["train"], target, drafter.capture_layer_ids(), torch.float32, False,
-                         torch.device("cpu"), fam.reduced_vocab)
+                         torch.device("cpu"), fam.predicts_draft_vocab(getattr(cfg.drafter, fam.name)))
     before = drafter.state_dict()
     before = {k: v.clone() for k, v in before.items()}
     engine = TorchEngine(drafter, cfg, 100, Dist())
@@ -145,7 +148,7 @@ def test_every_declared_loss_trains(built):
         pytest.skip(f"{fam.name} trains its own loss only")
     drafter = ds.drafter
     batch = make_batch(built["train"], target, drafter.capture_layer_ids(), torch.float32, False,
-                       torch.device("cpu"), fam.reduced_vocab)
+                       torch.device("cpu"), fam.predicts_draft_vocab(getattr(built["cfg"].drafter, fam.name)))
     inputs = drafter_inputs(batch, ds.head)
     torch.manual_seed(0)
     base = drafter(**inputs)["loss"]

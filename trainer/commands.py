@@ -41,7 +41,7 @@ def capture(argv: list[str]) -> int:
             check_layer_ids(layer_ids, target.num_layers)
             m = capture_offline(target, prep.train, out, layer_ids, feature_dtype(cfg.capture.dtype),
                                 cfg.capture.shard_samples, cfg.capture.batch_tokens, progress=cfg.logging.progress,
-                                argmax=fam.reduced_vocab, stop=stop)
+                                argmax=fam.predicts_draft_vocab(getattr(cfg.drafter, fam.name)), stop=stop)
     except Interrupted as e:  # the shards on disk are kept; the same command resumes
         print(f"drafthead capture: {e}", file=sys.stderr)
         return e.code

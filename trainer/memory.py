@@ -141,7 +141,7 @@ def dry_run(cfg: Any, log: Callable = print) -> dict[str, float]:
     options = getattr(cfg.drafter, fam.name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tcfg, dtype=dtype)
-        vocab = options.draft_vocab_size if fam.reduced_vocab else None  # reduced-vocab families size it
+        vocab = options.draft_vocab_size if fam.predicts_draft_vocab(options) else None  # a draft vocabulary sizes it
         drafter = fam.model(fam.build(tcfg, options, cfg.capture.layer_ids, vocab and min(vocab, tcfg.vocab_size)))
     tparams = sum(p.numel() for p in model.parameters())
     trainable, frozen = draft_params(drafter)  # built in fp32 on the meta device, as train.py builds it

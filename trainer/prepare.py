@@ -101,7 +101,7 @@ def build_draft(cfg: RunConfig, target: Target, train: list[dict], device: torch
     fam = family(cfg.drafter.family)
     options = getattr(cfg.drafter, fam.name)
     d2t = t2d = None
-    if fam.reduced_vocab:
+    if fam.predicts_draft_vocab(options):
         counts = count_tokens(((s["input_ids"], s["loss_mask"]) for s in train), target.config.vocab_size)
         d2t, t2d = build_vocab_mapping(counts, min(options.draft_vocab_size, target.config.vocab_size))
         covered = counts[t2d].sum().item() / max(counts.sum().item(), 1)

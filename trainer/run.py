@@ -160,7 +160,8 @@ def train(job: Job) -> Path:
     phases["prepare"] = job.elapsed() - sum(phases.values())
 
     # --- features: online (captured in the step) or offline (sharded safetensors) -----------------
-    feats = features(job, target, prep, drafter.capture_layer_ids(), fam.reduced_vocab)
+    feats = features(job, target, prep, drafter.capture_layer_ids(),
+                     fam.predicts_draft_vocab(getattr(cfg.drafter, fam.name)))
     phases["capture"] = job.elapsed() - sum(phases.values())
     plan = refit_after_capture(plan, cfg, d, run_dir, job.elapsed(), len(feats.lengths), sum(feats.lengths), log)
     if d.main and plan is not None and plan.refit is not None:  # config.yaml records the passes the run uses
@@ -336,6 +337,7 @@ def loop(job: Job, engine: Any, target: Target, head: TargetHead, feats: Feature
                                     cfg.train.batch_tokens)
             for bi in range(state["batch_in_epoch"], len(batches)):
                 batch = feats.batch(batches[bi], target, d.device)
+                engine.module.schedule(step, total_steps)  # a loss that moves with training (Domino's curriculum)
                 out = forward_backward(engine, batch, head, cfg.train.dtype, d.device, goal)
                 ntok = int(batch["attention_mask"].sum())
                 tput.add(ntok)

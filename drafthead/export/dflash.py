@@ -100,7 +100,14 @@ def to_dflash(draft: LoadedDraft, out: str | os.PathLike, target: str | None = N
     """The HF `DFlashDraftModel` directory (config.json + model.safetensors, our tensor names are z-lab's)."""
     tinfo = export_target_info(target, draft.meta)
     check_target(draft.config, tinfo)
-    return write_hf_dir(out, cast_state(draft.state, outtype, tinfo), hf_config(draft.config), draft.meta)
+    return write_hf_dir(out, cast_state(backbone(draft.state), outtype, tinfo), hf_config(draft.config), draft.meta)
+
+
+def backbone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors engines read: a draft vocabulary's d2t / t2d stay behind. Every engine (z-lab, SGLang, vLLM,
+    llama.cpp) drafts a DFlash block through the target's whole head, so a draft trained over a draft vocabulary
+    serves there over all V rows: the same argmax wherever the target's top token is in the draft vocabulary."""
+    return {k: v for k, v in state.items() if k not in ("d2t", "t2d")}
 
 
 def config_from_hf(config: dict) -> DflashConfig:
@@ -175,7 +182,7 @@ def to_speculators(draft: LoadedDraft, out: str | os.PathLike, target: str | Non
 
     tinfo = export_target_info(target, draft.meta)
     check_target(draft.config, tinfo)
-    state = cast_state(draft.state, outtype, tinfo)
+    state = cast_state(backbone(draft.state), outtype, tinfo)
     return write_hf_dir(out, state, speculators_config(draft.config, tinfo, dtype_name(state), verifier), draft.meta)
 
 
