@@ -422,7 +422,8 @@ class DflashDrafter(OwnLayers, nn.Module):
         out = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[:, :, 1:]  # [B, a, K, H] mask slots
         logits = self.target_lm_head(out[b_idx, a_idx, k_idx])  # [M, N] (loss in fp32)
         N = logits.shape[-1]
-        to_row = (lambda t: t) if self.t2d is None else (lambda t: target_to_draft(self.t2d)[t])  # target id -> row
+        rowmap = None if self.t2d is None else target_to_draft(self.t2d)  # [V] target id -> row (-1: outside)
+        to_row = (lambda t: t) if rowmap is None else (lambda t: rowmap[t])
         if c.labels == "soft":  # the teacher head computed the same N rows
             teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, N]
         else:  # a data token outside the draft vocabulary teaches nothing (a zero row)

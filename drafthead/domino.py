@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.dflash import (BLOCK, BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining,
+from drafthead.dflash import (BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining,
                               OnBackbone, PieceLoss, build_with_head, drafts_loss, eval_summary, init_with_warm_start)
 from drafthead.family import Family
 from drafthead.losses import Objective
-from drafthead.runtime.contract import ChainDraft, DraftMode, inference
+from drafthead.runtime.contract import ChainDraft, inference
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DominoHead:
 
     gru_hidden_dim: int = 1024  # G: the GRU's state (the references' Qwen3-8B recipe)
     emb_dim: int = 256  # E: the correction's bottleneck, W1 [H+G -> E], W2 [E -> V]
-    pure_draft_prefix_len: int = 1  # drafts at the block's start that keep the backbone's logits (SGLang: 0 or 1)
+    pure_draft_prefix_len: int = 1  # drafts at the block's start that keep the backbone's logits (SGLang: 1)
     lambda_base_start: float = 1.0  # lambda_0: the base loss's share at step 0
     lambda_base_decay_ratio: float = 1.0  # rho: the share reaches 0 after this fraction of the planned steps
 
@@ -92,10 +92,6 @@ class DominoDrafter(DflashDrafter):
         nn.init.zeros_(self.embed_proj[2].weight)  # a fresh head adds nothing: the backbone's logits stand
         self.lambda_base = c.lambda_base_start  # the curriculum's share of the base loss now (`schedule`)
 
-    @property
-    def draft_modes(self) -> dict[str, DraftMode]:
-        return {"block": BLOCK}  # DFlash's mode: one block call a round, verified as a chain
-
     def draft_state(self, batch: int, capacity: int, device: torch.device) -> "DominoRunner":  # mypy checks it
         return DominoRunner(self, batch, capacity, device)
 
@@ -104,15 +100,18 @@ class DominoDrafter(DflashDrafter):
         span = c.lambda_base_decay_ratio * max(total_steps, 1)
         self.lambda_base = min(max(c.lambda_base_start * (1 - step / span), 0.0), 1.0)
 
-    def read(self, ids: torch.Tensor, state: torch.Tensor | None = None) -> torch.Tensor:
-        """The GRU over the target's embeddings of ids [N, L] from state [1, N, G] (None: zeros) -> its state after
-        each token [N, L, G]."""
+    def read(self, ids: torch.Tensor) -> torch.Tensor:
+        """The GRU from zeros over the target's embeddings of ids [N, L] -> its state after each token [N, L, G]."""
         x = self.embed_tokens(ids).to(self.prefix_gru.weight_hh_l0.dtype)  # [N, L, H]
-        return self.prefix_gru(x, state)[0]
+        return self.prefix_gru(x)[0]
+
+    def correction_in(self, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """SiLU(W1 . [z ; g]): z [.., H] slot outputs, g [.., G] GRU states -> [.., E], what W2 reads."""
+        return self.embed_proj[1](self.embed_proj[0](torch.cat([z, g.to(z.dtype)], -1)))
 
     def correction(self, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """W2 . SiLU(W1 . [z ; g]): z [.., H] slot outputs, g [.., G] GRU states -> [.., V] added to the logits."""
-        return self.embed_proj(torch.cat([z, g.to(z.dtype)], -1))
+        """W2 . SiLU(W1 . [z ; g]) -> [.., V], added to the logits."""
+        return self.embed_proj[2](self.correction_in(z, g))
 
     # ---- training --------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, teacher_probs: torch.Tensor,
@@ -185,6 +184,7 @@ class DominoRunner(BlockRunner):
         u = torch.rand(B, k, generator=gen, device=roots.device) if temperature > 0 else torch.zeros(0)
         for j in range(k):
             logits = base[:, j]  # [B, V]
+            picked = None  # a greedy pick from the pool: no [B, V] row to build
             if j >= s:
                 for tok in unread:
                     state = torch.gru_cell(d.embed_tokens(tok).to(w_ih.dtype), state, w_ih, w_hh)  # [B, G]
@@ -192,15 +192,15 @@ class DominoRunner(BlockRunner):
                 if pool is None:
                     logits = logits + d.correction(z[:, j], state)
                 else:  # W2 . SiLU(W1 [z ; g]) on the pool's rows only, every other token out of reach
-                    e = d.embed_proj[1](d.embed_proj[0](torch.cat([z[:, j], state.to(z.dtype)], -1)))  # [B, E]
+                    e = d.correction_in(z[:, j], state)  # [B, E]
                     scores = logits.gather(1, pool) + torch.bmm(w2, e[:, :, None].to(w2.dtype))[..., 0]  # [B, K]
-                    if temperature == 0:  # the pool's argmax, no [B, V] row to build
-                        tok = pool.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
-                        drafts.append(tok)
-                        unread.append(tok)
-                        continue
-                    logits = torch.full_like(logits, float("-inf")).scatter(1, pool, scores)
-            if temperature == 0:
+                    if temperature == 0:
+                        picked = pool.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
+                    else:
+                        logits = torch.full_like(logits, float("-inf")).scatter(1, pool, scores)
+            if picked is not None:
+                tok = picked
+            elif temperature == 0:
                 tok = logits.argmax(-1)
             else:
                 q = probs(logits, temperature, top_p)  # [B, V]

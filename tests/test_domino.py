@@ -72,7 +72,7 @@ def test_training_drafts_equal_inference_drafts(qwen3, prefix):
     feats = capture(qwen3.model, ids, None, d.capture_layer_ids())[0]
     rows: dict[str, list] = {"z": [], "corr": []}
     hooks = [d.target_lm_head.register_forward_hook(lambda m, a, o: rows["z"].append(a[0].detach())),
-             d.embed_proj.register_forward_hook(lambda m, a, o: rows["corr"].append(o.detach()))]
+             d.embed_proj[2].register_forward_hook(lambda m, a, o: rows["corr"].append(o.detach()))]
     d.train()  # training draws its anchors from torch's generator: the same seed gives the same anchor here
     torch.manual_seed(5)
     anchors, _ = sample_anchors(mask, d.config.block_size, 1)
