@@ -41,6 +41,16 @@ def cache_dir() -> Path:
     return d
 
 
+def kernel_cache_dir() -> Path:
+    """Where the CPU kernels are built and the kernel probe keeps its choice (`DRAFTHEAD_KERNEL_CACHE`, default the
+    drafthead cache). Both belong to the machine and the torch installation, not to a run's data: a run that keeps
+    its data caches elsewhere (`DRAFTHEAD_CACHE`, as the tests' tiny runs do) still finds the kernels built, where
+    it would otherwise spend a build (~35-50 s on 2 cores) and, on AVX-512 machines, a probe."""
+    d = Path(os.environ["DRAFTHEAD_KERNEL_CACHE"]) if os.environ.get("DRAFTHEAD_KERNEL_CACHE") else cache_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 def pip_download(package: str, version: str, dest: Path, sdist: bool = False) -> Path:
     """`pip download --no-deps NAME==VER` into dest (once); returns the archive path."""
     dest.mkdir(parents=True, exist_ok=True)

@@ -105,6 +105,25 @@ class OnBackbone:
 
 
 @dataclass
+class DraftVocab:
+    """A block head over a draft vocabulary (DFlash, Domino): DSpark's options have no such key."""
+
+    # the block's head scores the N most frequent loss-masked target tokens (d2t / t2d, as EAGLE3's draft vocabulary):
+    # N rows of the target's head instead of all V in training and drafting; null = the whole vocabulary. Engines
+    # read the backbone alone and score every row (what the exports say)
+    draft_vocab_size: int | None = None
+
+    def check_draft_vocab(self) -> None:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size: {self.draft_vocab_size} (must be >= 1, or null: the whole vocabulary)")
+
+
+def has_draft_vocab(options: DraftVocab) -> bool:
+    """`Family.reduced_vocab` of a block family with a `draft_vocab_size` key."""
+    return options.draft_vocab_size is not None
+
+
+@dataclass
 class DflashLabels:
     """DFlash's training target, kept in its config (DSpark trains CE + TV instead)."""
 
@@ -112,23 +131,17 @@ class DflashLabels:
 
 
 @dataclass
-class DflashOptions(DflashLabels, DflashTraining, DflashBackbone):
+class DflashOptions(DraftVocab, DflashLabels, DflashTraining, DflashBackbone):
     """The recipe section `drafter.dflash.*`."""
 
     loss_decay_gamma: float | None = None  # slot k weight exp(-(k-1)/gamma); null: 7 for B >= 16, else 4
 
-    # the block's head scores the N most frequent loss-masked target tokens (d2t / t2d, as EAGLE3's draft vocabulary):
-    # N rows of the target's head instead of all V in training and drafting; null = the whole vocabulary. Engines
-    # read the backbone alone and score every row (what the exports say)
-    draft_vocab_size: int | None = None
-
     def validate(self) -> None:
         self.check_backbone()
         self.check_training()
+        self.check_draft_vocab()
         if self.loss_decay_gamma is not None and self.loss_decay_gamma <= 0:
             raise ValueError(f"loss_decay_gamma: {self.loss_decay_gamma} (must be > 0)")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size: {self.draft_vocab_size} (must be >= 1, or null: the whole vocabulary)")
         if self.labels not in LABELS:
             raise ValueError(f"labels: {self.labels!r} (choose from {', '.join(LABELS)})")
 
@@ -302,6 +315,16 @@ class DflashDrafter(OwnLayers, nn.Module):
         """Ids of the head's rows -> target ids."""
         return idx if self.d2t is None else idx + self.d2t[idx]
 
+    def target_to_row(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids -> the head's rows, -1 outside the draft vocabulary."""
+        return ids if self.t2d is None else target_to_draft(self.t2d)[ids]
+
+    def full_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """Probabilities over the head's rows [.., N] -> over the target's vocabulary [.., V], zero outside."""
+        if self.d2t is None:
+            return q
+        return q.new_zeros(*q.shape[:-1], self.config.vocab_size).index_copy_(-1, self.head_rows(), q)
+
     def check_data(self, samples: list[dict]) -> list[str]:
         """The mask token must never occur in the data (a block could not tell a mask slot from that token)."""
         return mask_token_in_data(self.family, self.config.mask_token_id, samples)
@@ -422,17 +445,15 @@ class DflashDrafter(OwnLayers, nn.Module):
         out = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[:, :, 1:]  # [B, a, K, H] mask slots
         logits = self.target_lm_head(out[b_idx, a_idx, k_idx])  # [M, N] (loss in fp32)
         N = logits.shape[-1]
-        rowmap = None if self.t2d is None else target_to_draft(self.t2d)  # [V] target id -> row (-1: outside)
-        to_row = (lambda t: t) if rowmap is None else (lambda t: rowmap[t])
         if c.labels == "soft":  # the teacher head computed the same N rows
             teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, N]
         else:  # a data token outside the draft vocabulary teaches nothing (a zero row)
-            tok = to_row(input_ids.flatten().index_select(0, rows + 1))  # [M], -1 outside
+            tok = self.target_to_row(input_ids.flatten().index_select(0, rows + 1))  # [M], -1 outside
             teach = F.one_hot(tok.clamp(min=0), N).float() * (tok >= 0)[:, None]
         loss, alpha = draft_loss(logits, teach, objective, not self.training)
         logp = logits.new_zeros(0)  # [M] D-PACE's log-probability of the target's token (-inf outside the vocabulary)
         if c.loss_weighting == "dpace":
-            row = to_row(labels)
+            row = self.target_to_row(labels)
             logp = logits.detach().float().log_softmax(-1).gather(1, row.clamp(min=0)[:, None])[:, 0]
             logp = logp.masked_fill(row < 0, float("-inf"))
         top = self.draft_to_target(logits.detach().argmax(-1))  # [M] target ids
@@ -707,10 +728,7 @@ class BlockRunner:
         B = roots.shape[0]
         u = torch.rand(B, k, generator=gen, device=roots.device)
         drafts = torch.stack([sample(q[:, j], u[:, j]) for j in range(k)], dim=1)
-        if d.d2t is None:
-            return ChainDraft(drafts, q)
-        full = q.new_zeros(B, k, d.config.vocab_size).index_copy_(2, d.head_rows(), q)  # [B, k, V] zero outside
-        return ChainDraft(d.draft_to_target(drafts), full)
+        return ChainDraft(d.draft_to_target(drafts), d.full_vocab(q))  # q [B, k, V] zero outside the vocabulary
 
 
 def propose_block(state: BlockState, roots: torch.Tensor, lengths: torch.Tensor, spec: SpecConfig,
@@ -746,14 +764,15 @@ def build(tcfg: Any, options: DflashOptions, layer_ids: list[int] | None, draft_
 
 
 def build_with_head(config_cls: type[DflashConfig], head: type, tcfg: Any, options: Any, layer_ids: list[int] | None,
-                    section: str) -> Any:
+                    section: str, draft_vocab_size: int | None = None) -> Any:
     """The config of a block drafter that adds a head of its own to DFlash's backbone (DSpark, Domino): the
     backbone's fields from the options, then the head's (`head`, the dataclass its options and config both extend),
     checked against the target under `drafter.<section>`."""
     c = config_cls.from_target(
         tcfg, num_hidden_layers=options.num_layers, mask_token_id=options.mask_token_id,
         target_layer_ids=target_layer_ids(tcfg, options, layer_ids), intermediate_size=options.intermediate_size,
-        loss_decay_gamma=options.loss_decay_gamma, **shared(options, DflashTraining), **shared(options, head))
+        loss_decay_gamma=options.loss_decay_gamma, draft_vocab_size=draft_vocab_size,
+        **shared(options, DflashTraining), **shared(options, head))
     check_built(c, tcfg, section)
     return c
 
@@ -828,7 +847,7 @@ def eval_summary(res: dict[str, float]) -> str:
 
 FAMILY = Family(
     name="dflash", options=DflashOptions, config=DflashConfig, model=DflashDrafter, build=build, init=init,
-    losses=LOSSES, reduced_vocab=lambda options: options.draft_vocab_size is not None, describe=describe,
+    losses=LOSSES, reduced_vocab=has_draft_vocab, describe=describe,
     eval_summary=eval_summary,
     exporters={"dflash": "drafthead.export.dflash:to_dflash", "speculators": "drafthead.export.dflash:to_speculators",
                "gguf": "drafthead.export.dflash:to_gguf"},

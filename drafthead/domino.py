@@ -14,8 +14,10 @@ Math only. The backbone is DFlash's (`drafthead/dflash.py`: fused target feature
 - Loss: the base-anchored curriculum (1 - lambda_t) CE(final) + lambda_t CE(base) to the target's token, with
   lambda_t = clip(lambda_0 (1 - t / (rho T)), 0, 1) over the optimizer steps t of the planned T (`schedule`),
   drafts weighed as DFlash weighs its slots (`loss_weighting`: the decay exp(-j/gamma), or D-PACE).
-W2 starts at zero, so a fresh Domino computes its backbone's logits; `warm_start` copies a DFlash draft's backbone
-(same tensor names; its slots read one position earlier here, as DSpark's anchor-first layout).
+With a draft vocabulary (`draft_vocab_size`, as DFlash's) the head and W2 score its N rows, and drafts map back to
+target ids before the GRU reads them. W2 starts at zero, so a fresh Domino computes its backbone's logits;
+`warm_start` copies a DFlash draft's backbone (same tensor names; its slots read one position earlier here, as
+DSpark's anchor-first layout).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.dflash import (BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining,
-                              OnBackbone, PieceLoss, build_with_head, drafts_loss, eval_summary, init_with_warm_start)
+from drafthead.dflash import (BlockRunner, DflashBackbone, DflashConfig, DflashDrafter, DflashTraining, DraftVocab,
+                              OnBackbone, PieceLoss, build_with_head, drafts_loss, eval_summary, has_draft_vocab,
+                              init_with_warm_start)
 from drafthead.family import Family
 from drafthead.losses import Objective
 from drafthead.runtime.contract import ChainDraft, inference
@@ -64,13 +67,15 @@ class DominoHead:
 
 
 @dataclass
-class DominoOptions(OnBackbone, DominoHead, DflashTraining, DflashBackbone):
+class DominoOptions(OnBackbone, DraftVocab, DominoHead, DflashTraining, DflashBackbone):
     """The recipe section `drafter.domino.*`: the DFlash backbone's keys (`block_size`: the root and B-1 drafts a
-    forward), then Domino's own."""
+    forward), then Domino's own. With `draft_vocab_size` the backbone's head and W2 both score the draft
+    vocabulary's rows."""
 
     def validate(self) -> None:
         self.check_backbone()
         self.check_training()
+        self.check_draft_vocab()
         self.check_on_backbone()
         self.check_head(self.block_size)
 
@@ -88,7 +93,8 @@ class DominoDrafter(DflashDrafter):
         super().__init__(c)
         self.prefix_gru = nn.GRU(c.hidden_size, c.gru_hidden_dim, bias=False, batch_first=True)
         self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_hidden_dim, c.emb_dim, bias=False), nn.SiLU(),
-                                        nn.Linear(c.emb_dim, c.vocab_size, bias=False))  # SGLang's tensor names
+                                        nn.Linear(c.emb_dim, self.target_lm_head.out_features, bias=False))
+        # SGLang's tensor names; W2 scores the head's rows (V, or the draft vocabulary's N: the export widens it)
         nn.init.zeros_(self.embed_proj[2].weight)  # a fresh head adds nothing: the backbone's logits stand
         self.lambda_base = c.lambda_base_start  # the curriculum's share of the base loss now (`schedule`)
 
@@ -110,7 +116,7 @@ class DominoDrafter(DflashDrafter):
         return self.embed_proj[1](self.embed_proj[0](torch.cat([z, g.to(z.dtype)], -1)))
 
     def correction(self, z: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """W2 . SiLU(W1 . [z ; g]) -> [.., V], added to the logits."""
+        """W2 . SiLU(W1 . [z ; g]) -> [.., N], added to the logits (N: the head's rows)."""
         return self.embed_proj[2](self.correction_in(z, g))
 
     # ---- training --------------------------------------------------------------------------------
@@ -136,19 +142,22 @@ class DominoDrafter(DflashDrafter):
         T, K, dev = input_ids.shape[1], c.num_draft_tokens, input_ids.device
         ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
         z = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[b_idx, a_idx, j_idx]  # [M, H] slot j
-        base = self.target_lm_head(z).float()  # [M, V]
+        base = self.target_lm_head(z).float()  # [M, N]
+        row = self.target_to_row(tgt)  # [M] -1: the target's token is outside the draft vocabulary (teaches nothing)
         # the GRU reads each block's x_p .. x_{p+K-1}; draft j takes its state after x_{p+j}
         read = (anchors[:, :, None] + torch.arange(K, device=dev)).clamp(max=T - 1)  # [B, a, K]
         ids = input_ids.gather(1, read.flatten(1)).view_as(read)  # [B, a, K]
         g = self.read(ids.flatten(0, 1)).view(*ids.shape, -1)[b_idx, a_idx, j_idx]  # [M, G]
         corrected = (j_idx >= c.pure_draft_prefix_len)[:, None]  # [M, 1]
-        final = base + self.correction(z, g).float() * corrected  # [M, V]
-        ce_final = F.cross_entropy(final, tgt, reduction="none")  # [M]
-        ce_base = F.cross_entropy(base, tgt, reduction="none")  # [M]
+        final = base + self.correction(z, g).float() * corrected  # [M, N]
+        ce_final = F.cross_entropy(final, row, ignore_index=-1, reduction="none")  # [M]
+        ce_base = F.cross_entropy(base, row, ignore_index=-1, reduction="none")  # [M]
         lam = self.lambda_base
-        top = final.detach().argmax(-1)
-        return PieceLoss((1 - lam) * ce_final + lam * ce_base, top, -ce_final.detach(),
-                         {"base_acc": (base.detach().argmax(-1) == tgt).float(), "corrected_acc": (top == tgt).float()})
+        top = self.draft_to_target(final.detach().argmax(-1))  # [M] target ids
+        logp = (-ce_final.detach()).masked_fill(row < 0, float("-inf"))  # D-PACE reads it
+        base_top = self.draft_to_target(base.detach().argmax(-1))
+        return PieceLoss((1 - lam) * ce_final + lam * ce_base, top, logp,
+                         {"base_acc": (base_top == tgt).float(), "corrected_acc": (top == tgt).float()})
 
 
 # ---- inference: the block forward, then the drafts left to right ------------------------------------
@@ -161,15 +170,16 @@ class DominoRunner(BlockRunner):
     @inference
     def block(self, roots: torch.Tensor, k: int, temperature: float, top_p: float, gen: torch.Generator | None
               ) -> ChainDraft:
-        """Up to k (<= B-1) drafts per request. Sampled drafts: q of draft j is its distribution given the drafts
-        before it, as a chain's (what lossless rejection sampling needs); a corrected draft's q is zero outside the
-        candidate pool."""
+        """Up to k (<= B-1) drafts per request, target ids. Sampled drafts: q of draft j [B, V] is its distribution
+        given the drafts before it, as a chain's (what lossless rejection sampling needs); a corrected draft's q is
+        zero outside the candidate pool, every draft's outside the draft vocabulary. Scores, the pool and W2's rows
+        are the head's rows (N) until a token is drawn."""
         from drafthead.runtime.sampling import probs, sample
 
         d = self.drafter
         c = d.config
         z = self.block_out(roots)[:, :k]  # [B, k, H] anchor-first: slot j drafts token j
-        base = d.target_lm_head(z)  # [B, k, V] the head once over the block (one pass over its weights)
+        base = d.target_lm_head(z)  # [B, k, N] the head once over the block (one pass over its weights)
         B, V = roots.shape[0], base.shape[-1]
         s = c.pure_draft_prefix_len
         pool = None
@@ -183,7 +193,7 @@ class DominoRunner(BlockRunner):
         drafts, qs = [], []
         u = torch.rand(B, k, generator=gen, device=roots.device) if temperature > 0 else torch.zeros(0)
         for j in range(k):
-            logits = base[:, j]  # [B, V]
+            logits = base[:, j]  # [B, N]
             picked = None  # a greedy pick from the pool: no [B, V] row to build
             if j >= s:
                 for tok in unread:
@@ -195,17 +205,18 @@ class DominoRunner(BlockRunner):
                     e = d.correction_in(z[:, j], state)  # [B, E]
                     scores = logits.gather(1, pool) + torch.bmm(w2, e[:, :, None].to(w2.dtype))[..., 0]  # [B, K]
                     if temperature == 0:
-                        picked = pool.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
+                        picked = pool.gather(1, scores.argmax(-1, keepdim=True))[:, 0]  # [B] rows
                     else:
                         logits = torch.full_like(logits, float("-inf")).scatter(1, pool, scores)
             if picked is not None:
-                tok = picked
+                row = picked
             elif temperature == 0:
-                tok = logits.argmax(-1)
+                row = logits.argmax(-1)
             else:
-                q = probs(logits, temperature, top_p)  # [B, V]
-                tok = sample(q, u[:, j])
-                qs.append(q)
+                q = probs(logits, temperature, top_p)  # [B, N]
+                row = sample(q, u[:, j])
+                qs.append(d.full_vocab(q))  # [B, V]
+            tok = d.draft_to_target(row)  # [B] what the GRU reads next and the target verifies
             drafts.append(tok)
             unread.append(tok)
         return ChainDraft(torch.stack(drafts, 1), torch.stack(qs, 1) if qs else None)
@@ -214,7 +225,7 @@ class DominoRunner(BlockRunner):
 # ---- the family record ------------------------------------------------------------------------------
 def build(tcfg: Any, options: DominoOptions, layer_ids: list[int] | None, draft_vocab_size: int | None
           ) -> DominoConfig:
-    return build_with_head(DominoConfig, DominoHead, tcfg, options, layer_ids, "domino")
+    return build_with_head(DominoConfig, DominoHead, tcfg, options, layer_ids, "domino", draft_vocab_size)
 
 
 def init(drafter: DominoDrafter, target: Any, options: DominoOptions) -> str:
@@ -226,7 +237,8 @@ def describe(options: DominoOptions, config: DominoConfig) -> str:
     return (f"{config.num_hidden_layers} layer(s), block {config.block_size} ({config.num_draft_tokens} drafts), "
             f"GRU {config.gru_hidden_dim}, correction rank {config.emb_dim} from draft "
             f"{config.pure_draft_prefix_len}, base-loss share {config.lambda_base_start} to 0 over "
-            f"{config.lambda_base_decay_ratio:g} of the steps, drafting among {pool}, features of layers "
+            f"{config.lambda_base_decay_ratio:g} of the steps, drafting among {pool}"
+            f"{f', draft vocab {config.draft_vocab_size}' if config.draft_vocab_size else ''}, features of layers "
             f"{config.target_layer_ids} (outputs), mask token {config.mask_token_id}")
 
 
@@ -240,7 +252,7 @@ def domino_summary(res: dict[str, float]) -> str:
 
 FAMILY = Family(
     name="domino", options=DominoOptions, config=DominoConfig, model=DominoDrafter, build=build, init=init,
-    reduced_vocab=False, describe=describe, eval_summary=domino_summary,
+    reduced_vocab=has_draft_vocab, describe=describe, eval_summary=domino_summary,
     exporters={"dflash": "drafthead.export.domino:to_dflash"},
     readers={"dflash": "drafthead.export.domino:read_back"},
 )

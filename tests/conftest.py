@@ -18,6 +18,10 @@ if not torch.cuda.is_available():
 # train.py keeps freed memory in the heap (drafthead.trainer.memory.retain_freed_memory); in the long-lived pytest
 # process that would pin every test's peak, so it is off here and tested in a subprocess of its own.
 os.environ.setdefault("DRAFTHEAD_MALLOC_RETAIN", "0")
+# Many tiny runs move their data caches to tmp (DRAFTHEAD_CACHE); the CPU kernels stay where the first build put
+# them, so a training subprocess of such a test does not compile them again (~35-50 s each on 2 cores).
+os.environ.setdefault("DRAFTHEAD_KERNEL_CACHE", str(Path(os.environ.get("DRAFTHEAD_CACHE",
+                                                                        Path.home() / ".cache" / "drafthead"))))
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

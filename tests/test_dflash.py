@@ -352,6 +352,25 @@ def test_sampled_block_drafting_matches_the_target():
     assert tv < 0.07, tv
 
 
+def nudged_block_equals_ar(target, d, scale: float, k: int) -> list[list[int]]:
+    """Every trainable weight of block draft `d` moved by `scale` noise, then greedy block drafting of k drafts
+    (batch 1 and 3) equal to greedy AR on three random prompts of 12 tokens; returns the prompts."""
+    from test_families import samples
+
+    d.eval()
+    with torch.no_grad():
+        for p in d.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn_like(p))
+    gen = SpeculativeGenerator(target, d)
+    prompts = [s["input_ids"][:12] for s in samples(target.config.vocab_size, n=3, seed=5)]
+    ar = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
+    for bs in (1, 3):
+        got = gen.generate(prompts, 16, SpecConfig(mode="block", num_speculative_tokens=k, batch_size=bs))
+        assert [r.tokens for r in got] == ar
+    return prompts
+
+
 def test_a_draft_vocabulary_trains_and_drafts_over_its_rows_and_exports_the_backbone(qwen3, tiny_qwen3_dir, tmp_path):
     """`draft_vocab_size`: the block's head is the target head's rows of the draft vocabulary (training, teacher and
     drafting alike), drafts are target ids and greedy output stays the target's, sampled drafts carry q zero
@@ -382,17 +401,7 @@ def test_a_draft_vocabulary_trains_and_drafts_over_its_rows_and_exports_the_back
     out["loss"].backward()
     assert torch.isfinite(out["loss"]) and d.fc.weight.grad is not None and int(out["count"].sum()) > 0
 
-    d.eval()
-    with torch.no_grad():
-        for p in d.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    gen = SpeculativeGenerator(qwen3, d)
-    prompts = [s["input_ids"][:12] for s in samples(V, n=3, seed=5)]
-    ar = [r.tokens for r in gen.generate(prompts, 16, SpecConfig(mode="ar"))]
-    for bs in (1, 3):
-        got = gen.generate(prompts, 16, SpecConfig(mode="block", num_speculative_tokens=3, batch_size=bs))
-        assert [r.tokens for r in got] == ar
+    prompts = nudged_block_equals_ar(qwen3, d, 0.05, 3)
     runner = d.draft_state(1, 32, torch.device("cpu"))
     ids = torch.tensor([prompts[0]])
     runner.extend(ids, capture(qwen3.model, ids, None, d.capture_layer_ids())[0], torch.tensor([12]))

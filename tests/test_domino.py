@@ -308,3 +308,67 @@ def test_engine_vllm_names_the_family_it_cannot_serve():
 
     with pytest.raises(vllm.VllmError, match=r"serves no layout of a domino draft; use engine=ours"):
         vllm.check_family(FAMILIES["domino"])
+
+
+def test_a_draft_vocabulary_scores_its_rows_in_the_head_and_the_correction(qwen3, tiny_qwen3_dir, tmp_path):
+    """`drafter.domino.draft_vocab_size`: the backbone's head and W2 both score the draft vocabulary's rows (training
+    and drafting alike, the candidate pool drawn from those rows), drafts are target ids the GRU reads, greedy
+    output stays the target's, sampled q is zero outside the vocabulary, and `to=dflash` writes what SGLang reads:
+    no d2t / t2d, W2 widened to the target's V rows with zeros outside the vocabulary."""
+    from test_dflash import nudged_block_equals_ar
+    from test_families import samples
+
+    from drafthead.registry import draft_state_dict
+    from drafthead.trainer.prepare import build_draft
+    from drafthead.trainer.step import drafter_inputs, make_batch
+
+    cfg = load_config(["drafter.family=domino", f"target.name_or_path={tiny_qwen3_dir}", "target.dtype=float32",
+                       "train.dtype=float32", "drafter.domino.mask_token_id=2", "drafter.domino.block_size=5",
+                       "drafter.domino.num_layers=2", "drafter.domino.target_layer_ids=[0,2]",
+                       "drafter.domino.gru_hidden_dim=16", "drafter.domino.emb_dim=8",
+                       "drafter.domino.candidate_pool_size=16", "drafter.domino.draft_vocab_size=64"])
+    V, E = qwen3.config.vocab_size, 8
+    train = samples(V)
+    torch.manual_seed(0)
+    ds = build_draft(cfg, qwen3, train, torch.device("cpu"), log=lambda *a: None)
+    d = ds.drafter
+    rows = d.head_rows()
+    assert rows.numel() == 64 and torch.equal(d.target_lm_head.weight, lm_head_weight(qwen3.model)[rows])
+    assert tuple(d.embed_proj[2].weight.shape) == (64, E)
+    batch_ = make_batch(train[:2], qwen3, d.capture_layer_ids(), torch.float32, False, torch.device("cpu"), True)
+    d.train()
+    d.lambda_base = 0.5
+    out = d(**drafter_inputs(batch_, ds.head))
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"]) and int(out["count"].sum()) > 0
+    assert d.prefix_gru.weight_hh_l0.grad is not None and d.embed_proj[0].weight.grad.abs().sum() == 0  # W2 = 0
+    assert d.embed_proj[2].weight.grad.abs().sum() > 0
+
+    prompts = nudged_block_equals_ar(qwen3, d, 0.2, 4)
+    ids = torch.tensor([prompts[0]])
+    runner, _ = context(d, qwen3, ids)
+    greedy = runner.block(torch.tensor([7]), 4, 0.0, 1.0, None).drafts[0]
+    z = runner.block_out(torch.tensor([7]))[0, :4]
+    base = d.target_lm_head(z)  # [4, 64] the pool's rows, SGLang's rollout over the draft vocabulary
+    pool = base[1:].amax(0).topk(16).indices
+    want, read = [int(rows[base[0].argmax()])], [7]
+    for j in range(1, 4):
+        read.append(want[-1])
+        g = d.prefix_gru(d.embed_tokens(torch.tensor([read])))[0][0, -1]
+        scores = base[j, pool] + d.embed_proj[2].weight[pool] @ d.embed_proj[1](d.embed_proj[0](torch.cat([z[j], g])))
+        want.append(int(rows[pool[scores.argmax()]]))
+    assert greedy.tolist() == want
+    drawn = runner.block(torch.tensor([7]), 4, 1.0, 1.0, torch.Generator().manual_seed(0))
+    assert bool(d.t2d[drawn.drafts].all()) and tuple(drawn.q.shape) == (1, 4, V)
+    assert float(drawn.q[..., ~d.t2d].abs().sum()) == 0 and torch.allclose(drawn.q.sum(-1), torch.ones(1, 4))
+
+    src = save_draft(d, tmp_path / "final", {**qwen3.info(), "name_or_path": str(tiny_qwen3_dir)})
+    back = load_draft(src, target=qwen3.model)
+    assert torch.equal(back.d2t, d.d2t) and torch.equal(back.embed_proj[2].weight, d.embed_proj[2].weight)
+    zcfg, tensors = read_exported(export(src, "dflash", tmp_path / "sglang", outtype="f32"))
+    assert zcfg.draft_vocab_size is None and set(tensors) == set(draft_state_dict(d)) - {"d2t", "t2d"}
+    w2 = tensors["embed_proj.2.weight"]  # [V, E]
+    assert tuple(w2.shape) == (V, E) and torch.equal(w2[rows], d.embed_proj[2].weight)
+    assert not w2[~d.t2d].any()
+    with pytest.raises(ConfigError, match=r"drafter\.domino\.draft_vocab_size': 0 \(must be >= 1"):
+        load_config(["drafter.family=domino", "drafter.domino.mask_token_id=2", "drafter.domino.draft_vocab_size=0"])

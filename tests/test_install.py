@@ -156,7 +156,8 @@ def test_a_wheel_trains_from_any_directory(tmp_path: Path, tiny_llama_dir, tiny_
           "output_dir": "run"}
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import drafthead.cli as c; "
             "assert c.__file__.startswith(sys.argv[1]), c.__file__; sys.exit(c.main(sys.argv[2:]))")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # the installed copy's kernels build from its own sources, here rather than beside the checkout's build
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "DRAFTHEAD_KERNEL_CACHE": str(tmp_path / "k")}
     r = subprocess.run([sys.executable, "-c", code, str(site), "train", *[f"{k}={v}" for k, v in kv.items()]],
                        cwd=work, capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]

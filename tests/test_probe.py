@@ -55,7 +55,7 @@ def test_measure_takes_turns_and_keeps_the_median() -> None:
 def fresh_probe(tmp_path, monkeypatch: pytest.MonkeyPatch):
     if not extension.available("bf16"):
         pytest.skip(f"bf16 kernel: {extension.unavailable_reason('bf16')}")
-    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path))
+    monkeypatch.setenv("DRAFTHEAD_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv("DRAFTHEAD_KERNEL_PROBE", raising=False)
     monkeypatch.delenv("DRAFTHEAD_AMX", raising=False)
     before = (extension.amx(), extension.prefetch())

@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 
 from drafthead.domino import DominoConfig
 from drafthead.export.common import ExportError, cast_state, write_hf_dir
-from drafthead.export.dflash import check_target, config_from_hf, hf_config
+from drafthead.export.dflash import backbone, check_target, config_from_hf, hf_config
 from drafthead.export.target_info import export_target_info
 from drafthead.registry import LoadedDraft
+from drafthead.vocab import draft_ids
 
 PROJECTOR = "domino"
 LEGACY_PROJECTORS = ("causal_v5",)  # the head's name in early checkpoints (SGLang issue 28977); read, never written
@@ -50,7 +51,20 @@ def to_dflash(draft: LoadedDraft, out: str | os.PathLike, target: str | None = N
     if cfg.pure_draft_prefix_len != 1:
         raise ExportError(f"pure_draft_prefix_len={cfg.pure_draft_prefix_len}: SGLang's Domino reader requires "
                           f"pure_draft_prefix_len=1 (its rollout corrects every draft after the first); train with 1")
-    return write_hf_dir(out, cast_state(draft.state, outtype, tinfo), domino_hf_config(cfg), draft.meta)
+    return write_hf_dir(out, cast_state(serving_state(draft.state, cfg), outtype, tinfo), domino_hf_config(cfg),
+                        draft.meta)
+
+
+def serving_state(state: dict[str, torch.Tensor], cfg: DominoConfig) -> dict[str, torch.Tensor]:
+    """The tensors SGLang reads: the backbone (DFlash's, without a draft vocabulary's d2t / t2d) and the head, W2
+    widened from the draft vocabulary's N rows to the target's V with zero rows elsewhere (SGLang's W2 is [V, E];
+    a zero row leaves that token's score the backbone's, which is what the draft trained on, scoring N rows)."""
+    out = backbone(state)
+    if "d2t" in state:
+        w2 = state["embed_proj.2.weight"]  # [N, E]
+        rows = draft_ids(state["d2t"])  # [N] target ids
+        out["embed_proj.2.weight"] = w2.new_zeros(cfg.vocab_size, w2.shape[1]).index_copy_(0, rows, w2)  # [V, E]
+    return out
 
 
 def config_from_domino_hf(config: dict) -> DominoConfig:

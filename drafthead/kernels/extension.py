@@ -1,10 +1,12 @@
 """The CPU decode kernels' extensions: which kinds exist, built with `torch.utils.cpp_extension` into
-`<drafthead cache>/torch_extensions` on first use (about 35 s each, once per machine), whether this CPU runs them,
+`<kernel cache>/torch_extensions` on first use (about 35 s each, once per machine and torch installation;
+`assets.kernel_cache_dir`), whether this CPU runs them,
 and the process-wide switches of their tile paths (AMX; the fp32 kernel's AVX-512 tiles and bf16 ops).
 `DRAFTHEAD_CPU_KERNEL=0` turns them off; without a compiler, without the CPU features or when a build fails,
 `available(kind)` is False (with one warning naming why) and callers use oneDNN. The ops are `cpu_linear`."""
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -59,13 +61,12 @@ def load(kind: str = "bf16") -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load
 
-            from drafthead.assets import cache_dir
+            from drafthead.assets import kernel_cache_dir
 
-            stem = _SOURCES[kind].stem
-            build = cache_dir() / "torch_extensions" / f"{stem}-torch{torch.__version__.split('+')[0]}"
+            build = kernel_cache_dir() / "torch_extensions" / build_name(kind)
             build.mkdir(parents=True, exist_ok=True)
             clear_stale_lock(build / "lock")
-            ext = load(f"drafthead_{stem}", [str(_SOURCES[kind])], build_directory=str(build),
+            ext = load(f"drafthead_{_SOURCES[kind].stem}", [str(_SOURCES[kind])], build_directory=str(build),
                        extra_cflags=_CFLAGS[kind], extra_ldflags=["-fopenmp"], verbose=False)
             if kind == "fp32" and not hardware.cpu_capability().startswith("AVX512"):
                 # torch dispatches below AVX-512 (ATEN_CPU_CAPABILITY=avx2 measures the AVX2 class on a newer
@@ -86,6 +87,14 @@ def load(kind: str = "bf16") -> ModuleType | None:
         warnings.warn(f"drafthead: {kind} CPU decode kernel unavailable ({why}); using oneDNN (slower at 1-16 "
                       f"rows)", stacklevel=3)
     return None
+
+
+def build_name(kind: str) -> str:
+    """The build folder of a kind: per torch version, torch installation and source file. Two installations with
+    one cache (a checkout and a wheel installed elsewhere, two venvs) compile different paths, and sharing one
+    folder made each rebuild the other's build in turn (ninja sees the paths in its build file change)."""
+    where = hashlib.sha256(f"{Path(torch.__file__).resolve().parent}\n{_SOURCES[kind].resolve()}".encode())
+    return f"{_SOURCES[kind].stem}-torch{torch.__version__.split('+')[0]}-{where.hexdigest()[:8]}"
 
 
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock older than this was left by a killed process

@@ -6,7 +6,7 @@ Non-temporal prefetches 32 k-pairs ahead won on the AVX512-BF16 EPYC the kernel 
 Xeon they made every row count ~1.8x slower than T0 prefetches, and there the AMX tiles win from 8 rows up.
 So the runtime asks `tuned()` before its first bf16 decode: the first call on a machine times the candidates on
 random weights of the default target's shapes (~190 MB, past the caches) at 1, 4 and 16 rows, in alternating
-rounds, and writes the winner to `<drafthead cache>/kernel_probe/<key>.json` (the key: CPU model and flags,
+rounds, and writes the winner to `<kernel cache>/kernel_probe/<key>.json` (the key: CPU model and flags,
 torch version and threads, the kernel's source); later processes read it.
 
 The tile path is one choice for every row count, not one per row count: AMX's `tdpbf16ps` and AVX512's
@@ -113,8 +113,8 @@ def cache_key() -> str:
 
 
 def cache_path() -> Path:
-    from drafthead.assets import cache_dir
-    return cache_dir() / "kernel_probe" / f"bf16-{cache_key()}.json"
+    from drafthead.assets import kernel_cache_dir
+    return kernel_cache_dir() / "kernel_probe" / f"bf16-{cache_key()}.json"
 
 
 def measure(cands: list[Setting], rows: tuple[int, ...] = ROWS, probe_mb: int = PROBE_MB, rounds: int = ROUNDS,
