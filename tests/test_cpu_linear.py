@@ -183,6 +183,23 @@ def test_with_packed_linears_copies_bf16_linears_only() -> None:
     assert packing.with_packed_linears(f16) is f16  # no kernel for fp16: the module itself
 
 
+def test_builds_of_a_torch_that_is_gone_are_removed(tmp_path):
+    """Each build folder records its torch; a build whose torch no longer exists (a deleted venv) is removed when
+    another build is used, and builds of live installations, or with no record, stay."""
+    from drafthead.kernels.extension import prune_orphan_builds
+
+    live, gone, alive, unknown = (tmp_path / n for n in ("live", "gone", "alive", "unknown"))
+    for folder, torch_at in ((gone, tmp_path / "deleted-venv" / "torch"), (alive, tmp_path)):
+        folder.mkdir()
+        (folder / "torch_dir").write_text(str(torch_at))
+        (folder / "ext.so").write_bytes(b"x")
+    unknown.mkdir()
+    live.mkdir()
+    assert prune_orphan_builds(live, tmp_path) == [gone]
+    assert (live / "torch_dir").read_text() == str(tmp_path)
+    assert not gone.exists() and alive.is_dir() and unknown.is_dir()
+
+
 def test_stale_build_lock_is_removed_and_a_fresh_one_waited_for(tmp_path):
     """A process killed while loading the extension leaves torch's build lock, which made every later
     process wait forever in silence: an old lock is removed with a warning, a young one waited for."""

@@ -65,6 +65,7 @@ def load(kind: str = "bf16") -> ModuleType | None:
 
             build = kernel_cache_dir() / "torch_extensions" / build_name(kind)
             build.mkdir(parents=True, exist_ok=True)
+            prune_orphan_builds(build, torch_dir())
             clear_stale_lock(build / "lock")
             ext = load(f"drafthead_{_SOURCES[kind].stem}", [str(_SOURCES[kind])], build_directory=str(build),
                        extra_cflags=_CFLAGS[kind], extra_ldflags=["-fopenmp"], verbose=False)
@@ -93,8 +94,31 @@ def build_name(kind: str) -> str:
     """The build folder of a kind: per torch version, torch installation and source file. Two installations with
     one cache (a checkout and a wheel installed elsewhere, two venvs) compile different paths, and sharing one
     folder made each rebuild the other's build in turn (ninja sees the paths in its build file change)."""
-    where = hashlib.sha256(f"{Path(torch.__file__).resolve().parent}\n{_SOURCES[kind].resolve()}".encode())
+    where = hashlib.sha256(f"{torch_dir()}\n{_SOURCES[kind].resolve()}".encode())
     return f"{_SOURCES[kind].stem}-torch{torch.__version__.split('+')[0]}-{where.hexdigest()[:8]}"
+
+
+def torch_dir() -> Path:
+    return Path(torch.__file__).resolve().parent
+
+
+def prune_orphan_builds(build: Path, torch_at: Path) -> list[Path]:
+    """Record in `build` which torch it compiles against, and remove the sibling builds whose torch is gone (a CI
+    run's throwaway venv leaves one build folder behind each time). Returns the removed folders."""
+    import shutil
+
+    record = build / "torch_dir"
+    if not record.is_file() or record.read_text() != str(torch_at):  # atomic: another process may read it now
+        tmp = build / f"torch_dir.{os.getpid()}"
+        tmp.write_text(str(torch_at))
+        os.replace(tmp, record)
+    gone = []
+    for other in build.parent.iterdir():
+        record = other / "torch_dir"
+        if other != build and record.is_file() and not Path(record.read_text().strip()).is_dir():
+            shutil.rmtree(other, ignore_errors=True)
+            gone.append(other)
+    return gone
 
 
 STALE_LOCK_S = 600.0  # a build takes about a minute; a lock older than this was left by a killed process
