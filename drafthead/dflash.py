@@ -315,9 +315,13 @@ class DflashDrafter(OwnLayers, nn.Module):
         """Ids of the head's rows -> target ids."""
         return idx if self.d2t is None else idx + self.d2t[idx]
 
-    def target_to_row(self, ids: torch.Tensor) -> torch.Tensor:
-        """Target ids -> the head's rows, -1 outside the draft vocabulary."""
-        return ids if self.t2d is None else target_to_draft(self.t2d)[ids]
+    def row_mapper(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Target ids -> the head's rows, -1 outside the draft vocabulary; the [V] map is built once per call of
+        this, so a training piece that maps two sets of ids builds it once."""
+        if self.t2d is None:
+            return lambda ids: ids
+        rowmap = target_to_draft(self.t2d)  # [V]
+        return lambda ids: rowmap[ids]
 
     def full_vocab(self, q: torch.Tensor) -> torch.Tensor:
         """Probabilities over the head's rows [.., N] -> over the target's vocabulary [.., V], zero outside."""
@@ -445,15 +449,16 @@ class DflashDrafter(OwnLayers, nn.Module):
         out = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[:, :, 1:]  # [B, a, K, H] mask slots
         logits = self.target_lm_head(out[b_idx, a_idx, k_idx])  # [M, N] (loss in fp32)
         N = logits.shape[-1]
+        to_row = self.row_mapper()
         if c.labels == "soft":  # the teacher head computed the same N rows
             teach = teacher_probs.flatten(0, 1).index_select(0, rows)  # [M, N]
         else:  # a data token outside the draft vocabulary teaches nothing (a zero row)
-            tok = self.target_to_row(input_ids.flatten().index_select(0, rows + 1))  # [M], -1 outside
+            tok = to_row(input_ids.flatten().index_select(0, rows + 1))  # [M], -1 outside
             teach = F.one_hot(tok.clamp(min=0), N).float() * (tok >= 0)[:, None]
         loss, alpha = draft_loss(logits, teach, objective, not self.training)
         logp = logits.new_zeros(0)  # [M] D-PACE's log-probability of the target's token (-inf outside the vocabulary)
         if c.loss_weighting == "dpace":
-            row = self.target_to_row(labels)
+            row = to_row(labels)
             logp = logits.detach().float().log_softmax(-1).gather(1, row.clamp(min=0)[:, None])[:, 0]
             logp = logp.masked_fill(row < 0, float("-inf"))
         top = self.draft_to_target(logits.detach().argmax(-1))  # [M] target ids

@@ -143,7 +143,7 @@ class DominoDrafter(DflashDrafter):
         ctx_kv = list(zip(ctx_flat[::2], ctx_flat[1::2]))
         z = self.anchor_blocks(input_ids, None, anchors, valid, ctx_kv)[b_idx, a_idx, j_idx]  # [M, H] slot j
         base = self.target_lm_head(z).float()  # [M, N]
-        row = self.target_to_row(tgt)  # [M] -1: the target's token is outside the draft vocabulary (teaches nothing)
+        row = self.row_mapper()(tgt)  # [M] -1: the target's token is outside the draft vocabulary (teaches nothing)
         # the GRU reads each block's x_p .. x_{p+K-1}; draft j takes its state after x_{p+j}
         read = (anchors[:, :, None] + torch.arange(K, device=dev)).clamp(max=T - 1)  # [B, a, K]
         ids = input_ids.gather(1, read.flatten(1)).view_as(read)  # [B, a, K]

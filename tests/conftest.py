@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafthead.assets import cache_dir
+
 # Triton's decorators (its own standard library included) read TRITON_INTERPRET when `triton` is first
 # imported, and torch._dynamo imports triton as a side effect. On a machine without CUDA the interpreter is
 # the only way the kernels run, so switch it on before any test module can import triton.
@@ -20,8 +22,7 @@ if not torch.cuda.is_available():
 os.environ.setdefault("DRAFTHEAD_MALLOC_RETAIN", "0")
 # Many tiny runs move their data caches to tmp (DRAFTHEAD_CACHE); the CPU kernels stay where the first build put
 # them, so a training subprocess of such a test does not compile them again (~35-50 s each on 2 cores).
-os.environ.setdefault("DRAFTHEAD_KERNEL_CACHE", str(Path(os.environ.get("DRAFTHEAD_CACHE",
-                                                                        Path.home() / ".cache" / "drafthead"))))
+os.environ.setdefault("DRAFTHEAD_KERNEL_CACHE", str(cache_dir()))
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

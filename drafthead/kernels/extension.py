@@ -114,8 +114,8 @@ def prune_orphan_builds(build: Path, torch_at: Path) -> list[Path]:
         os.replace(tmp, record)
     gone = []
     for other in build.parent.iterdir():
-        record = other / "torch_dir"
-        if other != build and record.is_file() and not Path(record.read_text().strip()).is_dir():
+        theirs = other / "torch_dir"
+        if other != build and theirs.is_file() and not Path(theirs.read_text().strip()).is_dir():
             shutil.rmtree(other, ignore_errors=True)
             gone.append(other)
     return gone
