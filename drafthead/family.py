@@ -49,6 +49,12 @@ class Family:
     # keys beside `method` in vLLM's speculative_config for this family's drafts (P-EAGLE: parallel_drafting, which
     # vLLM does not read from the draft's own config.json)
     vllm_config: dict[str, Any] = field(default_factory=dict)
+    # export options `engine=vllm` passes when it exports for vLLM (MTP: `layout=served`, a target with no MTP
+    # convention written in one vLLM serves)
+    vllm_export: dict[str, Any] = field(default_factory=dict)
+    # the export is the target with the draft inside it (MTP layers): vLLM serves the export itself as the model,
+    # with `method` and no draft model
+    vllm_in_target: bool = False
     # vLLM layouts of this family its CPU build refuses, each with vLLM's own words (what a user would meet)
     vllm_refused: dict[str, str] = field(default_factory=dict)
     # the `train.loss` values its training forward takes as `objective` (drafthead/losses.py LOSSES); () = the

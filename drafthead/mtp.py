@@ -552,5 +552,6 @@ FAMILY = Family(
     losses=LOSSES, reduced_vocab=False, describe=describe,
     exporters={"hf": "drafthead.export.mtp:export_hf", "gguf": "drafthead.export.mtp:export_gguf"},
     readers={"hf": "drafthead.export.mtp:read_back"},
+    vllm={"hf": "mtp"}, vllm_export={"layout": "served"}, vllm_in_target=True,
     renamed_keys={"num_modules": "num_draft_tokens"},
 )

@@ -1,8 +1,9 @@
 """Native MTP weights in target checkpoints: how many layers a config declares, their names <-> drafthead's
 MTP names, and reading them from safetensors.
 
-Two layouts exist (reference notes, section 3; transformers `conversion_mapping` "MtpModel"):
-- "nextn" (DeepSeek-V3, GLM-4.5/4.7, MiMo, ...): extra decoder layers `model.layers.{N+i}.*` with
+Three layouts exist (reference notes, section 3; transformers `conversion_mapping` "MtpModel"; vLLM's
+`mimo_mtp.py`):
+- "nextn" (DeepSeek-V3, GLM-4.5/4.7, ...): extra decoder layers `model.layers.{N+i}.*` with
   `enorm`, `hnorm`, `eh_proj`, the block's usual names, `shared_head.{norm,head}` and a copy of
   `embed_tokens`; `num_nextn_predict_layers` = how many. Ours: `layers.{i}.*`, a prefix rename (the
   per-layer embedding copy is dropped: the drafter shares the target's).
@@ -21,6 +22,9 @@ import torch
 
 # model types whose MTP/decoder blocks use a gated attention output and (1 + w) RMSNorms
 QWEN_NEXT_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+MIMO_ARCH = "MiMoForCausalLM"
+MIMO_NAMES = {"token_layernorm.weight": "enorm.weight", "hidden_layernorm.weight": "hnorm.weight",
+              "input_proj.weight": "eh_proj.weight", "final_layernorm.weight": "shared_head.norm.weight"}
 QWEN_SHARED = {"fc.weight": "eh_proj.weight", "pre_fc_norm_embedding.weight": "enorm.weight",
                "pre_fc_norm_hidden.weight": "hnorm.weight", "norm.weight": "shared_head.norm.weight"}
 
@@ -40,8 +44,18 @@ def _text(config: Any) -> Any:
 
 
 def layout(config: Any) -> str:
-    """'mtp' for Qwen3.5 / Qwen3-Next checkpoints, else 'nextn'."""
-    return "mtp" if getattr(_text(config), "model_type", "") in QWEN_NEXT_TYPES else "nextn"
+    """'mtp' for Qwen3.5 / Qwen3-Next checkpoints, 'mimo' for MiMo ones, else 'nextn'."""
+    model_type = getattr(_text(config), "model_type", "")
+    if model_type in QWEN_NEXT_TYPES:
+        return "mtp"
+    archs = [*(getattr(config, "architectures", None) or []), *(getattr(_text(config), "architectures", None) or [])]
+    return "mimo" if model_type == "mimo" or MIMO_ARCH in archs else "nextn"
+
+
+def _swap_halves(w: torch.Tensor) -> torch.Tensor:
+    """[H, 2H] with column halves (a; b) -> (b; a): MiMo's input_proj <-> our eh_proj, both ways."""
+    h = w.shape[1] // 2
+    return torch.cat([w[:, h:], w[:, :h]], dim=1)
 
 
 def native_prefixes(config: Any) -> tuple[str, ...]:
@@ -50,6 +64,8 @@ def native_prefixes(config: Any) -> tuple[str, ...]:
     if layout(config) == "mtp":
         return ("mtp.",)
     N, n = t.num_hidden_layers, native_mtp_layers(t)
+    if layout(config) == "mimo":
+        return tuple(f"model.mtp_layers.{i}." for i in range(n))
     return tuple(f"model.layers.{N + i}." for i in range(n))
 
 
@@ -67,6 +83,13 @@ def to_ours(state: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tens
                 for i in layer_ids:
                     out[f"layers.{i}.{ours}"] = state[f"mtp.{theirs}"]
         return out
+    if layout(config) == "mimo":
+        for k, v in state.items():
+            if m := re.match(r"model\.mtp_layers\.(\d+)\.(.+)$", k):
+                rest = m.group(2)
+                out[f"layers.{m.group(1)}.{MIMO_NAMES.get(rest, rest)}"] = (
+                    _swap_halves(v) if rest == "input_proj.weight" else v)
+        return out
     N = t.num_hidden_layers
     for k, v in state.items():
         m = re.match(r"model\.layers\.(\d+)\.(.+)$", k)
@@ -79,10 +102,18 @@ def to_native(ours: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Ten
     """`layers.{i}.*` -> the target checkpoint's MTP names (the inverse of `to_ours`).
 
     The Qwen layout has one fc/pre-norms/norm for all layers: they must be equal across our modules.
-    Its head is the target's lm_head, so `shared_head.head` is not written.
+    Its head and MiMo's are the target's lm_head, so `shared_head.head` is not written there.
     """
     t = _text(config)
     out: dict[str, torch.Tensor] = {}
+    if layout(config) == "mimo":
+        theirs = {v: k for k, v in MIMO_NAMES.items()}
+        for k, v in ours.items():
+            i, rest = k.split(".", 2)[1:]
+            if not rest.startswith("shared_head.head"):
+                out[f"model.mtp_layers.{i}.{theirs.get(rest, rest)}"] = (
+                    _swap_halves(v) if rest == "eh_proj.weight" else v)
+        return out
     if layout(config) == "nextn":
         N = t.num_hidden_layers
         for k, v in ours.items():

@@ -283,11 +283,14 @@ def evaluate(python: Path, target: Any, conversations: list[list[str]], draft: s
     if draft is not None:
         fmt, method = check_family(family)
         extra = {"verifier": str(model)} if fmt == "speculators" else {}
+        if family.vllm_in_target:  # the draft's layers go into the very target vLLM runs alone
+            extra["target"] = str(model)
         # the draft in the dtype vLLM runs both models in here, as our runtime runs it
         outtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[str(dtype).removeprefix("torch.")]
-        exported = export(draft, fmt, out / "vllm_draft" / fmt, outtype=outtype, **extra)
-        runs["draft"] = run(python, model, None, max_new_tokens, f"draft ({fmt})",
-                            spec=speculative_config(method, exported, k, **family.vllm_config), **common)
+        exported = export(draft, fmt, out / "vllm_draft" / fmt, outtype=outtype, **extra, **family.vllm_export)
+        served, draft_model = (exported, None) if family.vllm_in_target else (model, exported)
+        runs["draft"] = run(python, served, None, max_new_tokens, f"draft ({fmt})",
+                            spec=speculative_config(method, draft_model, k, **family.vllm_config), **common)
     runs["ngram"] = run(python, model, None, max_new_tokens, "ngram", spec=ngram_config(k, ngram_n), **common)
     greedy = temperature == 0.0
     base = runs["autoregressive"]

@@ -678,6 +678,82 @@ def test_export_hf_nextn_layout_round_trip(tmp_path):
     assert AutoConfig.from_pretrained(out1).num_nextn_predict_layers == 1
 
 
+def test_export_hf_mimo_layout_for_a_llama_target(tmp_path):
+    """layout=mimo: a llama target written as MiMo (a Qwen2 config, architecture MiMoForCausalLM, q/k/v biases of
+    zero), our layers as model.mtp_layers.{i}.* under MiMo's names with input_proj's halves swapped ([hidden;
+    embedding]) and no head (MiMo reads the target's lm_head); transformers loads it as the same model, the native
+    loader reads back exactly the draft, and a draft built on the exported target (its zero biases) is the same."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from drafthead.export import ExportError, export
+    from drafthead.export.mtp import read_native_export
+
+    model = tiny_llama(tie_word_embeddings=True)
+    tdir = tmp_path / "target"
+    model.save_pretrained(tdir)
+    torch.manual_seed(0)
+    d = MtpDrafter(MtpConfig.from_target(model.config, num_draft_tokens=3))  # recursive: one stored module
+    init_from_target(d, model)  # the shared head is the target's lm_head, as MiMo's layout requires
+    _perturb_norms(d)
+    info = {"name_or_path": str(tdir), "num_hidden_layers": 2, "hidden_size": H, "vocab_size": V}
+    save_draft(d, tmp_path / "draft", info)
+    ours = {k: v for k, v in d.state_dict().items() if k not in NOT_SAVED}
+    out = export(tmp_path / "draft", "hf", tmp_path / "out", layout="mimo")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["architectures"] == ["MiMoForCausalLM"]
+    assert cfg["num_nextn_predict_layers"] == 1
+    assert cfg["drafthead_converted_from"] == "llama" and "attention_bias" not in cfg
+    mtp = load_file(str(out / "model-mtp.safetensors"))
+    p = "model.mtp_layers.0."
+    assert set(mtp) == {p + n for n in ("token_layernorm.weight", "hidden_layernorm.weight", "input_proj.weight",
+                                        "final_layernorm.weight", "input_layernorm.weight",
+                                        "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                                        "mlp.down_proj.weight")
+                        + tuple(f"self_attn.{x}_proj.weight" for x in "qkvo")
+                        + tuple(f"self_attn.{x}_proj.bias" for x in "qkv")}
+    eh = ours["layers.0.eh_proj.weight"]  # [H, 2H]: [embedding; hidden] columns
+    assert torch.equal(mtp[p + "input_proj.weight"], torch.cat([eh[:, H:], eh[:, :H]], dim=1))
+    assert torch.equal(mtp[p + "token_layernorm.weight"], ours["layers.0.enorm.weight"])
+    assert torch.equal(mtp[p + "hidden_layernorm.weight"], ours["layers.0.hnorm.weight"])
+    assert torch.equal(mtp[p + "final_layernorm.weight"], ours["layers.0.shared_head.norm.weight"])
+    assert not mtp[p + "self_attn.q_proj.bias"].any()
+    bias = load_file(str(out / "model-mimo-bias.safetensors"))
+    assert set(bias) == {f"model.layers.{j}.self_attn.{x}_proj.bias" for j in (0, 1) for x in "qkv"}
+    assert not any(v.any() for v in bias.values())
+    back, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(back).__name__ == "Qwen2ForCausalLM" and not info["missing_keys"]  # the zero biases are read
+    back.eval()
+    x = torch.randint(0, V, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, model(x).logits, atol=1e-6, rtol=1e-6)
+    config, got = read_native_export(out)
+    assert got.keys() == {k for k in ours if "shared_head.head" not in k}
+    assert all(torch.equal(got[k], ours[k]) for k in got)
+    dst = MtpDrafter(MtpConfig.from_target(AutoConfig.from_pretrained(out), num_draft_tokens=3))
+    assert dst.config.attention_bias and init_from_native(dst, read_native(str(out), config), config) == 1
+    assert all(torch.equal(dst.state_dict()[k], ours[k]) for k in got)
+    # served = MiMo for a llama target; a target MiMo cannot hold is named
+    served = export(tmp_path / "draft", "hf", tmp_path / "served", layout="served")
+    assert json.loads((served / "config.json").read_text()) == cfg
+    with pytest.raises(ExportError, match=r"layout='nope': choose one of auto, mimo, served"):
+        export(tmp_path / "draft", "hf", tmp_path / "bad", layout="nope")
+    two, _ = _mtp_draft_for(model, tdir, tmp_path / "two", K=2, recursive=False)
+    with pytest.raises(ExportError, match=r"MiMo MTP run the first MTP layer .* this draft stores 2"):
+        export(two, "hf", tmp_path / "bad", layout="mimo")
+    biased = tiny_llama(attention_bias=True)  # Qwen2 takes q/k/v biases, but the llama's o_proj bias has no place
+    biased.save_pretrained(tmp_path / "biased")
+    bd, _ = _mtp_draft_for(biased, tmp_path / "biased", tmp_path / "bdraft", K=1, recursive=True)
+    with pytest.raises(ExportError, match=r"has attention_bias=true, which a Qwen2 \(MiMo\) block cannot hold"):
+        export(bd, "hf", tmp_path / "bad", layout="mimo")
+    q3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)).eval()
+    q3.save_pretrained(tmp_path / "q3")
+    q3d, _ = _mtp_draft_for(q3, tmp_path / "q3", tmp_path / "q3draft", K=1, recursive=True)
+    with pytest.raises(ExportError, match=r"a qwen3 target .* cannot be written as MiMo"):
+        export(q3d, "hf", tmp_path / "bad", layout="served")
+    assert not (tmp_path / "bad").exists()
+
+
 def test_export_hf_qwen35_layout_round_trip(tmp_path):
     """Qwen3.5: shared mtp.fc / mtp.pre_fc_norm_* / mtp.norm, mtp.layers.{i}.*, mtp_num_hidden_layers, no head."""
     from drafthead.export import ExportError, export

@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,6 +48,8 @@ DRAFT_VOCAB = 2048
 TRAIN_STEPS = 8  # half-trained: partly accepted (see `world`)
 TTT_STEPS = 3
 PEAGLE_STEPS = 16
+EAGLE31_STEPS = 24  # fc_norm starts the draft further from the target: 8 steps accepted ~7% at the first position
+MTP_STEPS = 30
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,6 +150,38 @@ def test_every_eagle3_layout_vllm_reads_is_the_same_draft_to_it(world, eval_repo
         assert run.spec == first["spec_counters"], (fmt, run.spec, fmt0, first["spec_counters"])
 
 
+def by_position(res: list) -> list[float]:
+    """Our runtime's acceptance by draft position: the share of verify rounds that accepted position i."""
+    rounds = [a for r in res for a in r.accept_lens]
+    return [sum(a > i for a in rounds) / len(rounds) for i in range(K)]
+
+
+def ours_in_chain(world: dict, drafter: Any, tmp_path: Path) -> tuple[Path, list[float]]:
+    """The draft saved, and our runtime's chain of K drafts with it: the target alone's ids on every prompt (checked)
+    and acceptance by position."""
+    target = world["target"]
+    draft = save_draft(drafter, tmp_path / "draft", target.info())
+    res = SpeculativeGenerator(target, drafter).generate(world["prompts"], MAX_TOKENS,
+                                                         SpecConfig(mode="chain", num_speculative_tokens=K))
+    assert [r.tokens for r in res] == world["alone"]
+    return draft, by_position(res)
+
+
+def served_as_ours(world: dict, vllm_python: Path, draft: Path, family: str, ours: list[float], tmp_path: Path) -> None:
+    """Each layout vLLM reads a `family` draft from (with the keys the family adds to vLLM's speculative config):
+    greedy ids equal vLLM alone on every prompt, acceptance by position within 0.03 of `ours`."""
+    fam = FAMILIES[family]
+    for fmt, method in fam.vllm.items():
+        out = export(draft, fmt, tmp_path / fmt, outtype="f32",
+                     **({"verifier": str(world["model"])} if fmt == "speculators" else {}))
+        run = vllm.run(vllm_python, world["model"], world["prompts"], MAX_TOKENS, f"{family} {fmt}",
+                       spec=vllm.speculative_config(method, out, K, **fam.vllm_config))
+        assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
+        pos = run.acceptance_by_position(K)
+        print(f"\nvLLM {family} {fmt}: by position {[round(p, 3) for p in pos]}, ours {[round(p, 3) for p in ours]}")
+        assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (fmt, pos, ours)
+
+
 @pytest.mark.slow
 def test_dflash_layouts_vllm_serves_losslessly_at_our_acceptance(world, vllm_python, tmp_path):
     """A DFlash draft (blocks of K + 1, 150 steps on the target's own continuations: partly accepted at every position;
@@ -171,18 +206,9 @@ def test_dflash_layouts_vllm_serves_losslessly_at_our_acceptance(world, vllm_pyt
     res = SpeculativeGenerator(target, drafters["half"]).generate(world["prompts"], MAX_TOKENS,
                                                                   SpecConfig(mode="block", num_speculative_tokens=K))
     assert [r.tokens for r in res] == world["alone"]
-    rounds = [a for r in res for a in r.accept_lens]
-    ours = [sum(a > i for a in rounds) / len(rounds) for i in range(K)]
+    ours = by_position(res)
     assert 0.05 < min(ours) and max(ours) < 0.95, f"not a partly accepted draft at every position: {ours}"
-    for fmt, method in FAMILIES["dflash"].vllm.items():
-        out = export(draft, fmt, tmp_path / fmt, outtype="f32",
-                     **({"verifier": str(world["model"])} if fmt == "speculators" else {}))
-        run = vllm.run(vllm_python, world["model"], world["prompts"], MAX_TOKENS, f"dflash {fmt}",
-                       spec=vllm.speculative_config(method, out, K))
-        assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
-        pos = run.acceptance_by_position(K)
-        print(f"\nvLLM DFlash {fmt}: by position {[round(p, 3) for p in pos]}, ours {[round(p, 3) for p in ours]}")
-        assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (fmt, pos, ours)
+    served_as_ours(world, vllm_python, draft, "dflash", ours, tmp_path)
 
 
 @pytest.mark.slow
@@ -198,23 +224,63 @@ def test_peagle_layouts_vllm_serves_with_parallel_drafting_at_our_acceptance(wor
                                        [len(p) for p in prompts]), DRAFT_VOCAB, PEAGLE_STEPS, K,
                          intermediate_size=2 * target.config.intermediate_size, drafter_cls=PeagleDrafter,
                          config_cls=PeagleConfig, mask_token_id=16, num_draft_tokens=K)  # 16: <empty_output>
-    draft = save_draft(fit.trained, tmp_path / "draft", target.info())
-    res = SpeculativeGenerator(target, fit.trained).generate(prompts, MAX_TOKENS,
-                                                             SpecConfig(mode="chain", num_speculative_tokens=K))
-    assert [r.tokens for r in res] == world["alone"]
-    rounds = [a for r in res for a in r.accept_lens]
-    ours = [sum(a > i for a in rounds) / len(rounds) for i in range(K)]
+    draft, ours = ours_in_chain(world, fit.trained, tmp_path)
     assert ours[0] > 0.05 and any(0.05 < p < 0.95 for p in ours), f"no partly accepted position: {ours}"
-    fam = FAMILIES["peagle"]
-    for fmt, method in fam.vllm.items():
-        out = export(draft, fmt, tmp_path / fmt, outtype="f32",
-                     **({"verifier": str(world["model"])} if fmt == "speculators" else {}))
-        run = vllm.run(vllm_python, world["model"], prompts, MAX_TOKENS, f"peagle {fmt}",
-                       spec=vllm.speculative_config(method, out, K, **fam.vllm_config))
-        assert run.outputs == world["alone"], f"{fmt}: differs from vLLM without speculation"
-        pos = run.acceptance_by_position(K)
-        print(f"\nvLLM P-EAGLE {fmt}: by position {[round(p, 3) for p in pos]}, ours {[round(p, 3) for p in ours]}")
-        assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (fmt, pos, ours)
+    served_as_ours(world, vllm_python, draft, "peagle", ours, tmp_path)
+
+
+@pytest.mark.slow
+def test_eagle31_layouts_vllm_serves_at_our_acceptance(world, vllm_python, tmp_path):
+    """An EAGLE 3.1 draft (`fc_norm`: a norm on each captured layer's state before `fc`; `norm_output`: the draft's
+    hidden normed once), EAGLE31_STEPS steps on the same continuations, in each layout vLLM reads (its llama_eagle3
+    takes both fields from the draft's config): greedy ids equal vLLM alone on every prompt, acceptance by position
+    within 0.03 of our runtime's chain."""
+    target, prompts = world["target"], world["prompts"]
+    fit = overfit_eagle3(target, batch([p + o for p, o in zip(prompts, world["longer"], strict=True)],
+                                       [len(p) for p in prompts]), DRAFT_VOCAB, EAGLE31_STEPS, TTT_STEPS,
+                         intermediate_size=2 * target.config.intermediate_size, fc_norm=True, norm_output=True)
+    assert fit.trained.fc_norm is not None and fit.trained.config.norm_output
+    draft, ours = ours_in_chain(world, fit.trained, tmp_path)
+    assert ours[0] > 0.05 and any(0.05 < p < 0.95 for p in ours), f"no partly accepted position: {ours}"
+    served_as_ours(world, vllm_python, draft, "eagle3", ours, tmp_path)
+
+
+@pytest.mark.slow
+def test_mtp_layers_vllm_serves_in_the_target_written_as_mimo(world, vllm_python, tmp_path):
+    """An MTP draft (one recursive layer started from the target's last layer, MTP_STEPS steps on the target's own
+    continuations) exported `to=hf` as `engine=vllm` exports it (`layout=served`: the llama target written as MiMo,
+    the one dense MTP model type vLLM serves) and run by vLLM as the model itself with `method=mtp`: greedy ids
+    equal vLLM alone on every prompt, and acceptance by position within 0.03 of our runtime's chain of K drafts
+    (MiMo zeroes the embedding at position 0 and drafthead's layer does not: one cached key of the prompt differs)."""
+    from drafthead.mtp import MtpConfig, MtpDrafter, init_from_target
+    from drafthead.target import capture
+    from tests.llama_cpp_data import one_hot_batch
+
+    target, prompts = world["target"], world["prompts"]
+    seqs = [torch.tensor(p + o) for p, o in zip(prompts, world["longer"], strict=True)]
+    input_ids, attn, loss_mask, argmax, teacher = one_hot_batch(target, seqs, [len(p) for p in prompts])
+    with torch.no_grad():
+        _, last = capture(target.model, input_ids, attn, [])  # [B, T, H] the target's final-norm output
+    torch.manual_seed(0)
+    d = MtpDrafter(MtpConfig.from_target(target.config, num_draft_tokens=K, recursive=True, attention="chain"))
+    init_from_target(d, target.model)  # the block is a copy of the target's last layer, the head its lm_head
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(MTP_STEPS):
+        out = d(input_ids, last, teacher, argmax, loss_mask)
+        opt.zero_grad()
+        out["loss"].backward()
+        opt.step()
+    draft, ours = ours_in_chain(world, d.eval(), tmp_path)
+    assert ours[0] > 0.05 and any(0.05 < p < 0.95 for p in ours), f"no partly accepted position: {ours}"
+    fam = FAMILIES["mtp"]
+    assert fam.vllm_in_target and fam.vllm == {"hf": "mtp"}
+    served = export(draft, "hf", tmp_path / "hf", outtype="f32", target=str(world["model"]), **fam.vllm_export)
+    assert json.loads((served / "config.json").read_text())["architectures"] == ["MiMoForCausalLM"]
+    run = vllm.run(vllm_python, served, prompts, MAX_TOKENS, "mtp", spec=vllm.speculative_config("mtp", None, K))
+    assert run.outputs == world["alone"], "differs from vLLM without speculation"
+    pos = run.acceptance_by_position(K)
+    print(f"\nvLLM MTP (MiMo layout): by position {[round(p, 3) for p in pos]}, ours {[round(p, 3) for p in ours]}")
+    assert max(abs(a - b) for a, b in zip(pos, ours, strict=True)) <= 0.03, (pos, ours)
 
 
 @pytest.mark.slow
@@ -308,3 +374,39 @@ def test_eval_with_engine_vllm_names_a_missing_vllm_before_loading_anything(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert err[0].startswith("drafthead eval: error: no vLLM environment at") and "make_vllm_env.sh" in err[0]
+
+
+def test_eval_serves_an_in_target_family_from_its_export(tmp_path, monkeypatch):
+    """`engine=vllm` with an MTP draft: the layers go into the very target vLLM runs alone (`target=` that
+    directory, the family's `vllm_export` options), and vLLM serves the export itself as the model with `method=mtp`
+    and no draft model; an EAGLE3 draft keeps the target as the model and the export as the draft (no vLLM run:
+    the runs are recorded)."""
+    from types import SimpleNamespace
+
+    import drafthead.export as export_mod
+
+    model = tmp_path / "target_hf"
+    calls: list[tuple[Path, dict | None]] = []
+    exported: list[tuple[str, dict]] = []
+
+    def fake_run(python, served, prompts, max_tokens, name, spec=None, **job):
+        calls.append((served, spec))
+        return vllm.Run(name, [{"sample": 0, "turn": 0, "prompt_len": 3, "tokens": [1, 2], "s": 0.1}], 1.0,
+                        {"num_drafts": 1, "num_accepted_tokens": 1, "accepted_per_pos": [1]} if spec else {})
+
+    def fake_export(draft, fmt, out, **options):
+        exported.append((fmt, options))
+        return Path(out)
+    monkeypatch.setattr(vllm, "run", fake_run)
+    monkeypatch.setattr(vllm, "target_dir", lambda target: model)
+    monkeypatch.setattr(export_mod, "export", fake_export)
+    target = SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=2048)))
+    convs = [["hi"]]
+    vllm.evaluate(Path("py"), target, convs, "d", FAMILIES["mtp"], tmp_path / "o", 2, 8, "float32")
+    assert exported == [("hf", {"outtype": "f32", "target": str(model), "layout": "served"})]
+    (alone, _), (served, spec), (ngram_model, _) = calls
+    assert alone == model == ngram_model and served == tmp_path / "o" / "vllm_draft" / "hf"
+    assert spec == {"method": "mtp", "num_speculative_tokens": 2}
+    calls.clear()
+    vllm.evaluate(Path("py"), target, convs, "d", FAMILIES["eagle3"], tmp_path / "o3", 2, 8, "float32")
+    assert calls[1][0] == model and calls[1][1]["model"] == str(tmp_path / "o3" / "vllm_draft" / "sglang")

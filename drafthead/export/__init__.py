@@ -111,6 +111,8 @@ class ExportConfig:
     # to engines, its `speculative_tokens` (default 3; P-EAGLE: the K it was trained with, at most that)
     store_embedding: bool | None = None  # speculators (EAGLE3, P-EAGLE): also write the target's token embedding
     # (false)
+    layout: str | None = None  # MTP's hf: auto (the target's own MTP layout) | mimo (a llama / qwen2 target written
+    # as MiMo, whose MTP layers vLLM and SGLang serve) | served (the target's own where an engine serves it, else mimo)
 
 
 COMMAND_KEYS = ("draft", "to", "out", "target", "allow_target_mismatch")  # the rest are the formats' own options

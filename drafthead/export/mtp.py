@@ -7,15 +7,21 @@ under the target family's names:
 - "mtp" layout (Qwen3.5 / Qwen3-Next): `mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`, `mtp.norm` shared by
   all MTP layers, `mtp.layers.{i}.*`; config `mtp_num_hidden_layers` (in `text_config` when nested). The
   head is the target's `lm_head`, so the draft's shared head must still equal it.
-- "nextn" layout (DeepSeek-V3 / GLM-4.5 / MiMo): extra decoder layers `model.layers.{N+i}.*` with `enorm`,
+- "nextn" layout (DeepSeek-V3 / GLM-4.5): extra decoder layers `model.layers.{N+i}.*` with `enorm`,
   `hnorm`, `eh_proj`, the block, `shared_head.{norm,head}` and `embed_tokens` (a copy of the target's, as
   DeepSeek-V3 ships it and vLLM's DeepSeek MTP loader reads it); config `num_nextn_predict_layers`.
-- llama / qwen2 / qwen3 (the SmolLM2 default included) have no MTP convention of their own. They get the
-  nextn layout: it is the one dense targets with MTP use (MiMo-7B is a Qwen2-style dense model with
-  DeepSeek-style `model.layers.{N}` MTP layers and `num_nextn_predict_layers`), the one a vLLM/SGLang user
-  converting such a model would write, and what `drafter.init=native` reads back. No engine serves MTP
-  for these architectures today (vLLM maps only MTP model types such as deepseek_v3 / mimo / glm4_moe /
-  qwen3_next to an MTP drafter), so for them the export feeds drafthead (runtime, eval, re-training).
+- "mimo" layout (MiMo-7B, a dense Qwen2 model): `model.mtp_layers.{i}.*` (`token_layernorm`,
+  `hidden_layernorm`, `input_proj`, `final_layernorm`, the block); config `num_nextn_predict_layers`; the head
+  is the target's `lm_head`.
+- llama / qwen2 / qwen3 (the SmolLM2 default included) have no MTP convention of their own. By default
+  (`layout=auto`) they get the nextn layout, which keeps the target's own config and which
+  `drafter.init=native` reads back; no engine serves MTP layers for these model types (vLLM maps only MTP
+  model types such as deepseek_v3 / mimo / glm4_moe / qwen3_next to an MTP drafter). `layout=mimo` (or
+  `served`: the target's own layout where an engine serves it, else MiMo) writes a llama or qwen2 target as
+  MiMo: a Qwen2 config with architecture `MiMoForCausalLM` and, for a llama target, q/k/v biases of zero
+  (Qwen2's attention always has them; adding zero changes no output). vLLM and SGLang serve that export
+  with `method=mtp`; vLLM's MiMo MTP runs its first MTP layer for every draft token, so train with
+  `drafter.mtp.recursive=true` (one layer).
 
 Names come from `drafthead.mtp_native.to_native` (the inverse of what `drafter.init=native` loads), so
 export -> native load is a round trip. `out/draft/` also holds the draft in drafthead's own format.
@@ -46,18 +52,26 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from drafthead import mtp_native
 from drafthead.export.common import SAFETENSORS_DTYPES, ExportError, check_gguf_out, default_mode
 from drafthead.export.gguf_meta import read_gguf_metadata
 from drafthead.io import atomic_dir, writing
 from drafthead.mtp import MtpConfig, MtpDrafter
-from drafthead.mtp_native import layout, native_prefixes, to_native, to_ours
+from drafthead.mtp_native import MIMO_ARCH, layout, native_mtp_layers, native_prefixes, to_native, to_ours
 from drafthead.registry import LoadedDraft, save_draft
 
 # HF model_type -> the llama.cpp architecture whose graph runs our dense MTP block (see module docstring)
 GGUF_ARCHS = {"qwen3_5": "qwen35", "qwen3_5_text": "qwen35"}
 GGUF_MAX_LAYERS = {"qwen35": 1}  # src/models/qwen35.cpp: "QWEN35 MTP currently only supports a single MTP block"
 GGUF_OUTTYPES = ("auto", "f32", "f16", "bf16", "q8_0")
+LAYOUTS = ("auto", "mimo", "served")  # `to=hf`'s layout option (module docstring)
+MIMO_SOURCES = ("llama", "qwen2")  # model types whose decoder blocks a Qwen2 (MiMo) checkpoint holds exactly
+MIMO_BIAS_SHARD = "model-mimo-bias.safetensors"
+CONVERTED_FROM = "drafthead_converted_from"  # config.json key of a target written as MiMo: its own model type
 MTP_SHARD = "model-mtp.safetensors"
+# a single-file target's weights, renamed: beside `model.safetensors` transformers reads that file alone and never the
+# index, so the shards the export adds (the MTP layers, MiMo's biases) would be left out
+SINGLE_FILE, TARGET_SHARD = "model.safetensors", "model-target.safetensors"
 INDEX = "model.safetensors.index.json"
 # block fields the engines take from the target config, not from ours: they must agree
 BLOCK_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -84,6 +98,8 @@ class TargetCheckpoint:
     folder: Path | None = None  # HF directory with safetensors shards
     gguf_path: Path | None = None  # or a GGUF file (weights dequantized through transformers)
     loaded: Any = None  # the `drafthead.target.Target` loaded from gguf_path
+    zero_qkv_bias: bool = False  # a llama target written as MiMo: q/k/v biases of zero are added
+    stale: tuple[str, ...] = ()  # prefixes of MTP tensors the target had in its own layout (dropped)
 
     @property
     def model_type(self) -> str:
@@ -187,6 +203,14 @@ def _target_weight_map(folder: Path) -> dict[str, str]:
     return out
 
 
+def _empty_like_stored(folder: Path, weight_map: dict[str, str], key: str) -> torch.Tensor:
+    """An empty tensor of a stored tensor's shape and dtype (read from the header, not the data)."""
+    with safe_open(str(folder / weight_map[key]), "pt") as h:
+        sl = h.get_slice(key)
+        dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[sl.get_dtype()]
+        return torch.empty(sl.get_shape(), dtype=dtype)
+
+
 def _read_tensor(folder: Path, weight_map: dict[str, str], key: str) -> torch.Tensor | None:
     if key not in weight_map:
         return None
@@ -214,14 +238,19 @@ def native_tensors(src: LoadedDraft, tgt: TargetCheckpoint, embed: torch.Tensor 
                    lm_head: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Our `layers.{i}.*` under the target family's MTP names (+ the nextn layout's embedding copy)."""
     hf = tgt.hf_config
+    if layout(hf) in ("mtp", "mimo") and lm_head is not None:  # no head of their own: they read the target's
+        for i in range(src.config.stored_modules):
+            head = src.state[f"layers.{i}.shared_head.head.weight"]
+            if not (torch.equal(head.to(lm_head.dtype), lm_head) or torch.equal(head, lm_head.to(head.dtype))):
+                raise ExportError(f"the {layout(hf)} MTP layout has no head of its own (it uses the target's "
+                                  f"lm_head), but the draft's layers.{i}.shared_head.head differs from it "
+                                  f"(trained with drafter.train_head=true?)")
+    if layout(hf) == "mimo":
+        state = dict(src.state)
+        if tgt.zero_qkv_bias:
+            state.update(zero_qkv_bias(state, [f"layers.{i}.self_attn" for i in range(src.config.stored_modules)]))
+        return to_native(state, hf)
     if layout(hf) == "mtp":
-        if lm_head is not None:  # the Qwen layout has no head of its own: it reads the target's lm_head
-            for i in range(src.config.stored_modules):
-                head = src.state[f"layers.{i}.shared_head.head.weight"]
-                if not (torch.equal(head.to(lm_head.dtype), lm_head) or torch.equal(head, lm_head.to(head.dtype))):
-                    raise ExportError(f"the {tgt.model_type} MTP layout has no head of its own (it uses the target's "
-                                      f"lm_head), but the draft's layers.{i}.shared_head.head differs from it "
-                                      f"(trained with drafter.train_head=true?)")
         try:
             return to_native(src.state, hf)
         except ValueError as e:  # layers whose shared fc / pre-norms / norm differ
@@ -236,6 +265,51 @@ def native_tensors(src: LoadedDraft, tgt: TargetCheckpoint, embed: torch.Tensor 
 
 def _text(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def zero_qkv_bias(state: dict[str, torch.Tensor], attns: list[str]) -> dict[str, torch.Tensor]:
+    """Zero q/k/v biases for the attention modules named in `attns`, sized and typed as their weights."""
+    return {f"{a}.{p}_proj.bias": torch.zeros(state[f"{a}.{p}_proj.weight"].shape[0],
+                                              dtype=state[f"{a}.{p}_proj.weight"].dtype)
+            for a in attns for p in ("q", "k", "v")}
+
+
+def as_layout(tgt: TargetCheckpoint, want: str) -> TargetCheckpoint:
+    """The target as the export writes it for `layout=want` (module docstring): itself, or written as MiMo."""
+    if want not in LAYOUTS:
+        raise ExportError(f"layout={want!r}: choose one of {', '.join(LAYOUTS)}")
+    own = layout(tgt.hf_config)
+    # served as it is: an MTP model type (a config that declares MTP layers, not one drafthead gave them)
+    served = own in ("mtp", "mimo") or (native_mtp_layers(_text(tgt.hf_config)) > 0
+                                        and tgt.model_type not in MIMO_SOURCES + ("qwen3",))
+    if want == "auto" or own == "mimo" or (want == "served" and served):
+        return tgt
+    if tgt.model_type not in MIMO_SOURCES:
+        raise ExportError(f"layout={want}: a {tgt.model_type or 'unknown'} target ({tgt.name}) cannot be written as "
+                          f"MiMo (a Qwen2 model; {' and '.join(MIMO_SOURCES)} targets can) and no engine serves MTP "
+                          f"layers in its own config; use layout=auto")
+    t = _text(tgt.hf_config)
+    heads, hidden = t.num_attention_heads, t.hidden_size
+    bad = []
+    if (getattr(t, "head_dim", None) or hidden // heads) * heads != hidden:
+        bad.append(f"head_dim={getattr(t, 'head_dim', None)} (hidden / heads = {hidden // heads})")
+    if getattr(t, "mlp_bias", False):
+        bad.append("mlp_bias=true")
+    if tgt.model_type == "llama" and getattr(t, "attention_bias", False):
+        bad.append("attention_bias=true")
+    if bad:
+        raise ExportError(f"layout={want}: target {tgt.name!r} ({tgt.model_type}) has {', '.join(bad)}, which a "
+                          f"Qwen2 (MiMo) block cannot hold (head_dim = hidden / heads, no MLP bias)")
+    from transformers import AutoConfig
+
+    drop = ("attention_bias", "mlp_bias", "pretraining_tp", "head_dim", "auto_map", "model_type")
+    cfg = {k: v for k, v in json.loads(json.dumps(tgt.config)).items() if k not in drop}
+    hf = AutoConfig.for_model("qwen2", **cfg)
+    hf.architectures, hf.use_sliding_window = [MIMO_ARCH], False
+    cfg.update(model_type="qwen2", architectures=[MIMO_ARCH], use_sliding_window=False,
+               **{CONVERTED_FROM: tgt.model_type})
+    return TargetCheckpoint(tgt.name, cfg, hf, tgt.folder, tgt.gguf_path, tgt.loaded,
+                            zero_qkv_bias=tgt.model_type == "llama", stale=native_prefixes(tgt.hf_config))
 
 
 def mtp_config_json(tgt: TargetCheckpoint, n: int) -> dict:
@@ -258,10 +332,14 @@ def write_hf(src: LoadedDraft, tgt: TargetCheckpoint, folder: Path, outtype: str
     """Fill `folder` (empty, not atomic: callers wrap it): target files + weights, the MTP shard, the index,
     config.json with the MTP field and, with `with_draft`, `draft/` in drafthead's format."""
     dtype = _mtp_dtype(tgt, outtype)
-    old = native_prefixes(tgt.hf_config)  # MTP layers the target already declares: replaced by ours
+    old = native_prefixes(tgt.hf_config) + tgt.stale  # MTP layers the target already declares: replaced by ours
     weight_map: dict[str, str] = {}
+    qkv: dict[str, torch.Tensor] = {}  # the target's q/k/v weights (or empty ones of their shape and dtype)
     if tgt.folder is not None:
         tmap = _target_weight_map(tgt.folder)
+        if tgt.zero_qkv_bias:
+            qkv = {k: _empty_like_stored(tgt.folder, tmap, k) for k in tmap
+                   if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")) and not k.startswith(old)}
         embed = _read_tensor(tgt.folder, tmap, "model.embed_tokens.weight")
         lm_head = _read_tensor(tgt.folder, tmap, "lm_head.weight")
         for f in sorted(tgt.folder.iterdir()):
@@ -269,21 +347,23 @@ def write_hf(src: LoadedDraft, tgt: TargetCheckpoint, folder: Path, outtype: str
                 shutil.copyfile(f, folder / f.name)  # tokenizer, generation config, chat template, ...
         for shard in sorted(set(tmap.values())):
             keys = [k for k, v in tmap.items() if v == shard]
+            name = TARGET_SHARD if shard == SINGLE_FILE else shard
             if any(k.startswith(old) for k in keys):  # drop the target's own MTP tensors
                 kept = {k: v for k, v in load_file(str(tgt.folder / shard)).items() if not k.startswith(old)}
-                save_file(kept, str(folder / shard), metadata={"format": "pt"})
+                save_file(kept, str(folder / name), metadata={"format": "pt"})
                 keys = list(kept)
             else:
-                shutil.copyfile(tgt.folder / shard, folder / shard)
-            weight_map.update({k: shard for k in keys})
+                shutil.copyfile(tgt.folder / shard, folder / name)
+            weight_map.update({k: name for k in keys})
     else:  # a GGUF target: its weights as transformers dequantized them, one shard
         t = tgt.loaded
         state = {k: v.contiguous() for k, v in t.model.state_dict().items() if not k.startswith(old)}
         if getattr(t.config, "tie_word_embeddings", False):
             state.pop("lm_head.weight", None)  # tied: stored once, as HF checkpoints do
         embed, lm_head = state.get("model.embed_tokens.weight"), state.get("lm_head.weight")
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        weight_map.update({k: "model.safetensors" for k in state})
+        qkv = {k: v for k, v in state.items() if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))}
+        save_file(state, str(folder / TARGET_SHARD), metadata={"format": "pt"})
+        weight_map.update({k: TARGET_SHARD for k in state})
         t.tokenizer.save_pretrained(folder)
     hf = tgt.hf_config
     tied = getattr(hf, "tie_word_embeddings", False) or getattr(_text(hf), "tie_word_embeddings", False)
@@ -301,6 +381,11 @@ def write_hf(src: LoadedDraft, tgt: TargetCheckpoint, folder: Path, outtype: str
         raise ExportError(f"target {tgt.name!r} already has tensors named like the MTP layers: {clash[:4]}")
     save_file(mtp, str(folder / MTP_SHARD), metadata={"format": "pt"})
     weight_map.update({k: MTP_SHARD for k in mtp})
+    if tgt.zero_qkv_bias:  # the target's own layers as Qwen2 blocks: q/k/v biases of zero
+        layers = sorted({k.rsplit(".", 2)[0] for k in qkv})  # model.layers.{j}.self_attn
+        bias = zero_qkv_bias(qkv, layers)
+        save_file(bias, str(folder / MIMO_BIAS_SHARD), metadata={"format": "pt"})
+        weight_map.update({k: MIMO_BIAS_SHARD for k in bias})
     total = sum(n for f in set(weight_map.values()) for n in shard_tensors(folder / f).values())
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                             "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
@@ -390,10 +475,18 @@ def _export_gguf(src: LoadedDraft, tgt: TargetCheckpoint, out: str | os.PathLike
 # the family's entry points (`drafthead export to=hf|gguf`)
 
 def export_hf(draft: LoadedDraft, out: str | os.PathLike, target: str | None = None,
-              outtype: str | None = None) -> Path:
-    """The target checkpoint with our MTP layers added, in `out` (a directory); nothing there on an error."""
+              outtype: str | None = None, layout: str = "auto") -> Path:
+    """The target checkpoint with our MTP layers added, in `out` (a directory); nothing there on an error.
+    `layout`: auto (the target's own), mimo or served (module docstring)."""
+    if layout not in LAYOUTS:  # before the target loads
+        raise ExportError(f"layout={layout!r}: choose one of {', '.join(LAYOUTS)}")
     tgt = resolve_checkpoint(target, draft.meta)
     check_block(draft.config, tgt)
+    tgt = as_layout(tgt, layout)
+    n = draft.config.stored_modules
+    if mtp_native.layout(tgt.hf_config) == "mimo" and n > 1:  # (`layout` is the option here)
+        raise ExportError(f"the MiMo MTP layout: vLLM's and SGLang's MiMo MTP run the first MTP layer for every draft "
+                          f"token, and this draft stores {n} (train with drafter.mtp.recursive=true)")
     return _export_hf(draft, tgt, out, outtype)
 
 
@@ -423,7 +516,11 @@ def read_native_export(folder: str | os.PathLike) -> tuple[Any, dict[str, torch.
     native = read_native(str(folder), config)
     if native is None:
         raise ExportError(f"{folder}: no MTP tensors found")
-    return config, to_ours(native, config)
+    ours = to_ours(native, config)
+    if getattr(config, CONVERTED_FROM, None) == "llama":  # the zero q/k/v biases the MiMo layout added
+        ours = {k: v for k, v in ours.items()
+                if not (k.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")) and not v.any())}
+    return config, ours
 
 
 __all__ = ["GGUF_ARCHS", "export_gguf", "export_hf", "read_native_export", "resolve_checkpoint"]
