@@ -427,7 +427,8 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
               "verify_cost": curve,
               "bandwidth_bound": bound,
               "compute_rate": compute,
-              "kernel_probe": probe.report() if tm.kernel == "bf16" else None,
+              "kernel_probe": (probe.report() if tm.kernel == "bf16" else
+                               probe.fp32_report() if tm.kernel == "fp32" else None),
               "verify_cost_hf": hf_curve,
               "definitions": DEFINITIONS}
     print(format_table(result))

@@ -4,6 +4,7 @@ runtime falls back to oneDNN when they are unavailable."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 
@@ -319,6 +320,32 @@ def test_fp32_kernel_rows_have_the_same_bits_at_1_to_70_rows(weights: str, avx51
             for start in sorted({0, 70 - M, (70 - M) // 2}):
                 got = cpu_linear.linear_fp32(x[start: start + M], packed, 100, scale, b)
                 assert torch.equal(got, alone[start: start + M]), (weights, M, start)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("weights", cpu_linear.WEIGHTS)
+def test_fp32_stream_settings_never_change_bits(weights: str) -> None:
+    """How the kernel streams (how far a lone row prefetches; multi-row tiles over the whole K or in chunks, chunks
+    that divide K or not, larger than K) is picked by the probe on the machine: every setting gives the same bits
+    at every row count, so losslessness never depends on the machine's choice."""
+    g = torch.Generator().manual_seed(2)
+    w, b, x = torch.randn(100, 576, generator=g), torch.randn(100, generator=g), torch.randn(37, 576, generator=g)
+    stored, scale, _ = cpu_linear.compress(w, weights)
+    packed = cpu_linear.pack_fp32(stored)
+    before = extension.fp32_stream()
+    try:
+        with avx512_tiles(False):
+            want = {M: cpu_linear.linear_fp32(x[:M], packed, 100, scale, b) for M in (1, 2, 3, 4, 5, 8, 16, 37)}
+            for ahead, kc in itertools.product((1, 16, 128), (0, 1, 64, 200, 576, 1024)):
+                assert extension.fp32_stream(ahead=ahead, kc=kc) == {"ahead": ahead, "kc": kc}
+                for M, y in want.items():
+                    assert torch.equal(cpu_linear.linear_fp32(x[:M], packed, 100, scale, b), y), (ahead, kc, M)
+        with pytest.raises(ValueError, match=r"fp32 stream ahead=0, kc=\d+: ahead is 1..1024 k"):
+            extension.fp32_stream(ahead=0)
+        with pytest.raises(ValueError, match=r"kc >= 0"):
+            extension.fp32_stream(kc=-1)
+    finally:
+        extension.fp32_stream(**before)
 
 
 @needs_fp32_kernel

@@ -1,5 +1,6 @@
-"""The bf16 kernel probe (`kernels/probe.py`): its choice from timings (fake ones here, so the logic is checked on
-every CPU class), its cache, and its switches. Bits on each path it can pick: tests/test_runtime.py, forced."""
+"""The kernel probe (`kernels/probe.py`: the bf16 kernel's tile path and prefetches, the fp32 kernel's stream): its
+choice from timings (fake ones here, so the logic is checked on every CPU class), its cache, and its switches.
+Bits on each path it can pick: tests/test_runtime.py, forced; the fp32 stream's: tests/test_cpu_linear.py."""
 from __future__ import annotations
 
 import fcntl
@@ -167,3 +168,70 @@ def test_prefetch_settings_are_checked(fresh_probe) -> None:
         extension.prefetch(stream=("t3", 32))
     with pytest.raises(ValueError, match="ahead 1..1024"):
         extension.prefetch(plain=("t0", 0))
+
+
+# ---- the fp32 kernel's stream (every class with AVX2/FMA; fake timings, so the logic is checked anywhere) ----
+
+@pytest.fixture
+def fresh_fp32_probe(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    if not extension.available("fp32"):
+        pytest.skip(f"fp32 kernel: {extension.unavailable_reason('fp32')}")
+    monkeypatch.setenv("DRAFTHEAD_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("DRAFTHEAD_KERNEL_PROBE", raising=False)
+    before = extension.fp32_stream()
+    monkeypatch.setattr(probe, "_fp32_applied", None)
+    monkeypatch.setattr(probe, "_fp32_report", None)
+    yield tmp_path
+    extension.fp32_stream(**before)
+
+
+def test_fp32_stream_is_measured_once_per_weight_storage_cached_and_applied(fresh_fp32_probe,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The candidates cross how far a lone row prefetches with the multi-row tiles' K chunks (none where the AVX-512
+    tiles run); the one best over 1, 4 and 16 rows is applied, cached per weight storage, and read back by a later
+    process without timing anything."""
+    from drafthead.kernels.probe import Fp32Stream
+    fast = Fp32Stream(64, 128 if not extension.avx512_tiles() else 0)
+    calls: list[tuple[Fp32Stream, int]] = []
+
+    def make(probe_mb: int, weights: str):
+        def timer(s: Fp32Stream, rows: int) -> float:
+            calls.append((s, rows))
+            return (1.0 if s.ahead == fast.ahead else 1.5) * (1.0 if s.kc == fast.kc or rows == 1 else 1.4) * rows
+        return timer
+    monkeypatch.setattr(probe, "_fp32_pass_timer", make)
+    cands = probe.fp32_candidates()
+    assert len(cands) == len(probe.FP32_AHEAD) * (1 if extension.avx512_tiles() else len(probe.FP32_KC))
+    assert probe.fp32_tuned() == fast and extension.fp32_stream() == {"ahead": fast.ahead, "kc": fast.kc}
+    assert len(calls) == len(cands) * len(probe.ROWS) * probe.ROUNDS
+    on_disk = json.loads(probe.fp32_cache_path().read_text())
+    assert on_disk["chosen"] == {"ahead": fast.ahead, "kc": fast.kc} and on_disk["weights"] == "fp32"
+    assert on_disk["rows"]["16"]["built_in_ms"] is not None and "probed here" in probe.fp32_describe()
+    monkeypatch.setattr(probe, "_fp32_applied", None)
+    extension.fp32_stream(ahead=32, kc=0)
+    n = len(calls)
+    assert probe.fp32_tuned() == fast and len(calls) == n and extension.fp32_stream()["ahead"] == fast.ahead
+    assert probe.fp32_cache_path("int8") != probe.fp32_cache_path()  # another storage streams other bytes per k
+    monkeypatch.setattr(probe, "_fp32_applied", None)
+    probe.fp32_tuned("int8")
+    assert len(calls) > n and probe.fp32_cache_path("int8").is_file()
+
+
+def test_fp32_probe_off_keeps_the_built_in_stream(fresh_fp32_probe, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DRAFTHEAD_KERNEL_PROBE", "0")
+    monkeypatch.setattr(probe, "_fp32_pass_timer", lambda *a: pytest.fail("the probe is off: nothing is timed"))
+    extension.fp32_stream(ahead=64, kc=128)
+    assert probe.fp32_tuned() == probe.FP32_BUILT_IN and extension.fp32_stream() == {"ahead": 32, "kc": 0}
+    assert not list(fresh_fp32_probe.glob("kernel_probe/*")) and "built in" in probe.fp32_describe()
+
+
+def test_a_candidate_within_the_margin_keeps_the_built_in_stream() -> None:
+    """Stream settings that time within the noise of one another: the built-in one stays (a choice made by noise
+    would differ from machine to machine for nothing); one faster beyond the margin replaces it."""
+    from drafthead.kernels.probe import FP32_BUILT_IN, FP32_MARGIN, Fp32Stream
+    a = Fp32Stream(64, 0)
+    near = _ms({FP32_BUILT_IN: (10.0, 10.0, 10.0), a: (9.8, 9.8, 9.9)})
+    assert probe.choose(near, FP32_BUILT_IN, FP32_MARGIN)[0] == FP32_BUILT_IN
+    assert probe.choose(near, FP32_BUILT_IN)[0] == a  # no margin: the least sum
+    far = _ms({FP32_BUILT_IN: (10.0, 10.0, 10.0), a: (9.0, 9.5, 9.5)})
+    assert probe.choose(far, FP32_BUILT_IN, FP32_MARGIN)[0] == a

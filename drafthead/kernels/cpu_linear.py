@@ -86,11 +86,13 @@ def tile_path(kind: str, rows: int) -> str:
         if rows <= 2 * ext.ROWS:
             return f"bf16 AVX512-BF16, two tiles of <= {ext.ROWS} rows sharing K chunks{pf}"
         return f"bf16 AVX512-BF16, {ext.ROWS}-row tiles one after another over K{pf}"
+    st = extension.fp32_stream()
     if rows == 1:
-        return "fp32, 1 row x 48 outputs in 8 lanes"
+        return f"fp32, 1 row x 48 outputs in 8 lanes, {st['ahead']} k prefetched ahead"
     if extension.avx512_tiles():
         return "fp32, 16-lane tiles of <= 8 rows x 48 outputs"
-    return "fp32, 8-lane tiles of <= 4 rows x 24 outputs, next item prefetched into L2"
+    chunks = f" in {st['kc']}-k chunks of K" if st["kc"] else ""
+    return f"fp32, 8-lane tiles of <= 4 rows x 24 outputs{chunks}, next item prefetched into L2"
 
 
 def compress(weight: torch.Tensor, weights: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -46,8 +46,16 @@ constexpr int64_t kLanes = 8;  // outputs per packed block
 constexpr int kBlocks = 6;     // packed blocks per work item (48 outputs)
 constexpr int kRows = 4;       // rows of x per tile (4 x 3 accumulators + 3 weights + 1 broadcast = 16 ymm)
 constexpr int64_t kGroup = 3;  // blocks stored side by side per k: one multi-row tile's blocks
-constexpr int64_t kAhead = 32; // k a lone row prefetches ahead in its own stream (A/B against the ungrouped
-                               // layout at 1 row: 3-11% slower without it, 5-13% faster with it)
+// How the projections stream their weights, set per process (`stream_set`; kernels/probe.py picks them on the
+// machine, the bits never depend on them):
+//   g_ahead - k a lone row (and an AVX-512 tile's first rows) prefetches ahead in its own stream into L1 (32 won
+//             on the AVX512-BF16 EPYC the kernel was written on: 3-11% slower without a prefetch at 1 row);
+//   g_kc    - k per chunk of the 8-lane multi-row tiles (0: the whole K). With chunks, each group's chunk of
+//             weights is read by every row tile of the call while it is in L1, instead of each 4-row tile
+//             streaming the whole group again from L2; the accumulators wait in memory between chunks (stored
+//             and loaded exactly, so every output is still one FMA per k in order from zero: the same bits).
+int64_t g_ahead = 32;
+int64_t g_kc = 0;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {  // bf16 -> fp32 is a 16-bit shift into the high half
@@ -65,11 +73,11 @@ inline __m256i tail_mask(int64_t valid) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
 }
 
-// A group's lines at k + kAhead (its k-th element at `at`, `step` bytes a k: one line, or two for fp32) into L1: a
+// A group's lines at k + g_ahead (its k-th element at `at`, `step` bytes a k: one line, or two for fp32) into L1: a
 // stream read from memory by a lone row or a tile's first rows, fetched ahead of the loads.
 template <typename W>
 inline void prefetch_ahead(const W* at, int64_t step) {
-  const char* a = reinterpret_cast<const char*>(at) + kAhead * step;
+  const char* a = reinterpret_cast<const char*>(at) + g_ahead * step;
   _mm_prefetch(a, _MM_HINT_T0);
   if (step > 64) _mm_prefetch(a + 64, _MM_HINT_T0);
 }
@@ -93,11 +101,15 @@ inline void finish(const float* out, const float* scale, const float* bias, int6
   }
 }
 
-// Rows m0..m0+R-1 of x against packed blocks b0..b0+B-1.
+// Rows m0..m0+R-1 of x against packed blocks b0..b0+B-1, over k0 <= k < k1 of K.
 // `ahead`: elements from this tile's group to the next work item's same group, to prefetch into L2 (0: none).
+// A chunk of K (k1 - k0 < K) starts from and leaves its sums in `carry` (row m, block j of the work item at
+// carry[(m * kBlocks + cj + j) * 8]); the last chunk finishes the outputs.
 template <typename W, int R, int B>
 inline void tile(const float* x, int64_t K, const W* p, const float* scale, const float* bias, int64_t b0,
-                 float* y, int64_t N, int64_t m0, int64_t ahead = 0) {
+                 float* y, int64_t N, int64_t m0, int64_t ahead = 0, int64_t k0 = 0, int64_t k1 = -1,
+                 float* carry = nullptr, int64_t cj = 0) {
+  if (k1 < 0) k1 = K;
   const int64_t NB = (N + kLanes - 1) / kLanes;
   const W* base[B];  // block b0+j's k = 0, and the distance to its next k (its group's width x 8)
   int64_t kstride[B];
@@ -112,14 +124,15 @@ inline void tile(const float* x, int64_t K, const W* p, const float* scale, cons
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 8
-    for (int j = 0; j < B; ++j) acc[i][j] = _mm256_setzero_ps();
+    for (int j = 0; j < B; ++j)
+      acc[i][j] = k0 > 0 ? _mm256_loadu_ps(carry + ((m0 + i) * kBlocks + cj + j) * kLanes) : _mm256_setzero_ps();
   const float* xr[R];
   for (int i = 0; i < R; ++i) xr[i] = x + (m0 + i) * K;
-  for (int64_t k = 0; k < K; ++k) {
+  for (int64_t k = k0; k < k1; ++k) {
     __m256 w[B];
 #pragma GCC unroll 8
     for (int j = 0; j < B; ++j) w[j] = load8(base[j] + k * kstride[j]);
-    if (R == 1) {  // a lone row: its own groups, kAhead k ahead, every 64-byte line (two per k for fp32)
+    if (R == 1) {  // a lone row: its own groups, g_ahead k ahead, every 64-byte line (two per k for fp32)
 #pragma GCC unroll 8
       for (int j = 0; j < B; j += kGroup) prefetch_ahead(base[j] + k * kstride[j], kstride[j] * sizeof(W));
     }
@@ -133,6 +146,13 @@ inline void tile(const float* x, int64_t K, const W* p, const float* scale, cons
 #pragma GCC unroll 8
       for (int j = 0; j < B; ++j) acc[i][j] = _mm256_fmadd_ps(xb, w[j], acc[i][j]);
     }
+  }
+  if (k1 < K) {  // a chunk: the sums wait for the next one
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < B; ++j) _mm256_storeu_ps(carry + ((m0 + i) * kBlocks + cj + j) * kLanes, acc[i][j]);
+    return;
   }
   // The accumulators leave their registers once, at constant indices. Read in the loop below (whose j is a
   // run-time index) they made GCC keep acc in memory and store every accumulator on every k: 12 stores per 12
@@ -156,6 +176,26 @@ inline void rows(const float* x, int64_t M, int64_t K, const W* p, const float* 
   static_assert(B == 1 || B % 3 == 0, "B is 1 or a multiple of 3");
   constexpr int S = B == 1 ? 1 : 3;  // blocks per multi-row tile: one group
   const int64_t ahead = next ? kBlocks * K * kLanes : 0;  // full groups: the next item's group is this far on
+  if (B == kBlocks && M > 1 && g_kc > 0 && g_kc < K) {  // chunks of K, each group's chunk read by every row tile
+    static thread_local std::vector<float> carry_v;
+    if (static_cast<int64_t>(carry_v.size()) < M * kBlocks * kLanes) carry_v.resize(M * kBlocks * kLanes);
+    float* carry = carry_v.data();
+    for (int64_t k0 = 0; k0 < K; k0 += g_kc) {
+      const int64_t k1 = std::min(K, k0 + g_kc);
+      for (int j = 0; j < B; j += S) {
+        int64_t m = 0;
+        for (; m + kRows <= M; m += kRows)
+          tile<W, kRows, S>(x, K, p, scale, bias, b0 + j, y, N, m, ahead, k0, k1, carry, j);
+        switch (M - m) {
+          case 3: tile<W, 3, S>(x, K, p, scale, bias, b0 + j, y, N, m, ahead, k0, k1, carry, j); break;
+          case 2: tile<W, 2, S>(x, K, p, scale, bias, b0 + j, y, N, m, ahead, k0, k1, carry, j); break;
+          case 1: tile<W, 1, S>(x, K, p, scale, bias, b0 + j, y, N, m, 0, k0, k1, carry, j); break;
+          default: break;
+        }
+      }
+    }
+    return;
+  }
   int64_t m = 0;
   for (; m + kRows <= M; m += kRows)
     for (int j = 0; j < B; j += S) tile<W, kRows, S>(x, K, p, scale, bias, b0 + j, y, N, m, ahead);
@@ -188,7 +228,7 @@ DRAFTHEAD_AVX512 inline __m512 load16(const int8_t* p) {
 
 // Rows m0..m0+R-1 against the full work item of blocks b0..b0+5: groups a (blocks b0..b0+2) and b (b0+3..b0+5),
 // [K, 3, 8] each. Per k: a's first 16 outputs, b's first 16, and a's last 8 joined with b's last 8.
-// lead: the item's first row tile, which reads the weights from memory; it prefetches both streams kAhead k on.
+// lead: the item's first row tile, which reads the weights from memory; it prefetches both streams g_ahead k on.
 template <typename W, int R>
 DRAFTHEAD_AVX512 void tile512(const float* x, int64_t K, const W* p, const float* scale, const float* bias,
                               int64_t b0, float* y, int64_t N, int64_t m0, bool lead) {
@@ -1818,6 +1858,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return avx512_bf16();
   }, "whether bf16 attention and elementwise ops run their AVX512-BF16 code (the CPU has it and it is on); on: turn it on / "
         "off (tests)", py::arg("on") = py::none());
+  m.def("stream_set", [](int64_t ahead, int64_t kc) {
+    TORCH_CHECK(ahead >= 1 && ahead <= 1024 && kc >= 0, "stream_set: ahead 1..1024 k, kc >= 0 k (0: whole K)");
+    g_ahead = ahead;
+    g_kc = kc;
+  }, "how the projections stream weights: k a lone row prefetches ahead, k per chunk of multi-row tiles (0: whole K)",
+        py::arg("ahead"), py::arg("kc"));
+  m.def("stream_get", []() { return std::make_tuple(g_ahead, g_kc); }, "(ahead, kc) as stream_set takes them");
   m.def("avx512_tiles", [](c10::optional<bool> on) {
     if (on.has_value()) g_avx512_tiles = *on;
     return avx512_tiles();

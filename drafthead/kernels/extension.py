@@ -232,3 +232,17 @@ def avx512_bf16_ops(on: bool | None = None) -> bool:
     turns it on or off for the process (tests run both paths). The choice never depends on the row count, so
     either way a token gets the same bits alone or in a block."""
     return bool(ext("fp32").avx512_bf16(on))
+
+
+def fp32_stream(ahead: int | None = None, kc: int | None = None) -> dict[str, int]:
+    """How the fp32 kernel streams weights: `ahead` k a lone row prefetches ahead into L1, `kc` k per chunk of its
+    8-lane multi-row tiles (0: the whole K); given ones are set first. `kernels/probe.py` picks them on the machine;
+    the bits never depend on them."""
+    mod = ext("fp32")
+    a, c = mod.stream_get()
+    if ahead is not None or kc is not None:
+        a, c = (a if ahead is None else int(ahead)), (c if kc is None else int(kc))
+        if not 1 <= a <= 1024 or c < 0:
+            raise ValueError(f"fp32 stream ahead={a}, kc={c}: ahead is 1..1024 k, kc >= 0 (0: the whole K)")
+        mod.stream_set(a, c)
+    return {"ahead": int(a), "kc": int(c)}

@@ -18,6 +18,9 @@ settings never change bits. The AMX path also runs the bf16 attention of generat
 
 `DRAFTHEAD_KERNEL_PROBE=0` keeps the built-in setting (AVX512-BF16 tiles, streamed weights non-temporal 32
 k-pairs ahead); `DRAFTHEAD_AMX=1` or `0` forces the path and the probe tunes the prefetches for it.
+
+The fp32 kernel (every x86 class with AVX2/FMA) is tuned the same way (`fp32_tuned`, at the end): how far ahead
+its lone row prefetches and whether its multi-row tiles run K in chunks; its cache files are `fp32-<key>.json`.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,11 +108,14 @@ def candidates() -> list[Setting]:
     return [Setting(p, h, a) for p in paths for h in extension.HINTS for a in AHEAD]
 
 
-def cache_key() -> str:
-    """CPU model and the flags that pick code, torch version and threads, the kernel's source, this file's scoring."""
-    src = Path(extension._SOURCES["bf16"]).read_bytes()
+def cache_key(kind: str = "bf16", *extra: str) -> str:
+    """CPU model and the flags that pick code, torch version and threads, `extra` (what else picks code: the bf16
+    kernel's forced path), the kernel's source, this file's scoring."""
+    if kind == "bf16" and not extra:
+        extra = (os.environ.get("DRAFTHEAD_AMX", ""),)
+    src = Path(extension._SOURCES[kind]).read_bytes()
     parts = [hardware.cpu_model(), hardware.cpu_class(), torch.__version__, str(torch.get_num_threads()),
-             os.environ.get("DRAFTHEAD_AMX", ""), str(VERSION), hashlib.sha256(src).hexdigest()]
+             *extra, str(VERSION), hashlib.sha256(src).hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -133,16 +140,19 @@ def measure(cands: list[Setting], rows: tuple[int, ...] = ROWS, probe_mb: int = 
     return {c: {r: statistics.median(v) for r, v in by.items()} for c, by in ms.items()}
 
 
-def choose(ms: dict[Setting, dict[int, float]]) -> tuple[Setting, dict]:
+def choose(ms: dict, built_in=BUILT_IN, margin: float = 0.0) -> tuple:
     """The candidate with the least sum over row counts of its time / the fastest candidate's at that row count;
-    also each row count's fastest candidate and what the choice costs against it (for reports)."""
+    `built_in` stays unless that sum beats its own by more than `margin` (a fraction: the timing's noise). Also each
+    row count's fastest candidate and what the choice costs against it (for reports)."""
     rows = sorted(next(iter(ms.values())))
     best = {r: min(ms, key=lambda c: ms[c][r]) for r in rows}
     score = {c: sum(ms[c][r] / ms[best[r]][r] for r in rows) for c in ms}
-    pick = min(ms, key=lambda c: (score[c], c != BUILT_IN))
+    pick = min(ms, key=lambda c: (score[c], c != built_in))
+    if built_in in score and score[built_in] <= score[pick] * (1 + margin):
+        pick = built_in
     per_rows = {str(r): {"fastest": best[r].name(), "fastest_ms": round(ms[best[r]][r], 3),
-                         "chosen_ms": round(ms[pick][r], 3), "built_in_ms": round(ms[BUILT_IN][r], 3)
-                         if BUILT_IN in ms else None} for r in rows}
+                         "chosen_ms": round(ms[pick][r], 3), "built_in_ms": round(ms[built_in][r], 3)
+                         if built_in in ms else None} for r in rows}
     return pick, per_rows
 
 
@@ -182,54 +192,72 @@ def tuned() -> Setting:
         if extension.available("bf16"):
             apply(BUILT_IN)
         return _applied
-    path = cache_path()
-    s = _read(path)
+    s = _cached_or_measured(cache_path(), _read, _measure_and_cache)
+    apply(s)
+    _applied = s
+    return s
+
+
+def _cached_or_measured(path: Path, read, measure_and_cache):
+    """`read(path)`, else `measure_and_cache(path)` by one process at a time (two timing each other's load would
+    cache a choice made on a busy machine): the others wait on the cache's lock, then read what it wrote."""
+    s = read(path)
     if s is None:
-        # one process measures at a time (two timing each other's load would cache a choice made on a busy machine);
-        # the others wait, then read what it wrote
         with contextlib.ExitStack() as held:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fcntl.flock(held.enter_context(open(path.parent / ".lock", "w")), fcntl.LOCK_EX)
             except OSError:  # a read-only cache: measure without the lock (and say so when writing)
                 pass
-            s = _read(path) or _measure_and_cache(path)
-    apply(s)
-    _applied = s
+            s = read(path) or measure_and_cache(path)
     return s
 
 
 def _read(path: Path) -> Setting | None:
     """The cached choice, or None where there is none, it does not parse, or it is not a candidate here."""
     global _report
+    got = _read_choice(path, Setting, candidates())
+    if got is None:
+        return None
+    _report = got[1]
+    return got[0]
+
+
+def _read_choice(path: Path, kind: type, cands: list) -> tuple[Any, dict] | None:
+    """(the cached choice as a `kind`, its report), or None where there is none, it does not parse or is not one of
+    `cands` (a file from another version of the candidates)."""
     try:
-        report = json.loads(path.read_text())
-        s = Setting(**report["chosen"])
+        report_ = json.loads(path.read_text())
+        s = kind(**report_["chosen"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if s not in candidates():
-        return None
-    _report = report
-    return s
+    return (s, report_) if s in cands else None
 
 
 def _measure_and_cache(path: Path) -> Setting:
     global _report
     t0 = time.perf_counter()
-    cands = candidates()
-    threads = torch.get_num_threads()
-    ms = measure(cands)
+    ms = measure(candidates())
     s, per_rows = choose(ms)
-    _report = {"chosen": asdict(s), "name": s.name(), "cpu_class": hardware.cpu_class(),
-               "cpu_model": hardware.cpu_model(), "threads": threads,
-               "seconds": round(time.perf_counter() - t0, 1), "rows": per_rows,
-               "candidates": {c.name(): {str(r): round(v, 3) for r, v in by.items()} for c, by in ms.items()}}
+    _report = _probe_report(s, per_rows, ms, t0)
+    _write(path, _report)
+    return s
+
+
+def _probe_report(s: Any, per_rows: dict, ms: dict, t0: float, **extra: Any) -> dict:
+    """What a probe chose and measured, as cached and printed by `drafthead bench`."""
+    return {"chosen": asdict(s), "name": s.name(), **extra, "cpu_class": hardware.cpu_class(),
+            "cpu_model": hardware.cpu_model(), "threads": torch.get_num_threads(),
+            "seconds": round(time.perf_counter() - t0, 1), "rows": per_rows,
+            "candidates": {c.name(): {str(r): round(v, 3) for r, v in by.items()} for c, by in ms.items()}}
+
+
+def _write(path: Path, report_: dict) -> None:
     from drafthead.io import atomic_write_json
     try:
-        atomic_write_json(path, _report)
+        atomic_write_json(path, report_)
     except OSError as e:  # a read-only cache costs a probe per process, not the run
-        warnings.warn(f"drafthead: the kernel probe's choice could not be cached ({path}: {e})", stacklevel=2)
-    return s
+        warnings.warn(f"drafthead: the kernel probe's choice could not be cached ({path}: {e})", stacklevel=3)
 
 
 @contextlib.contextmanager
@@ -258,3 +286,117 @@ def describe() -> str:
     s = _applied or BUILT_IN
     how = "built in" if _report is None else f"probed here, {cache_path()}"
     return f"{s.name()} ({how})"
+
+
+# ---- the fp32 kernel's stream ----------------------------------------------------------------------------------
+# Why: the fp32 kernel (AVX2/FMA, every x86 class) streamed with one distance and whole-K tiles chosen on the
+# AVX512-BF16 EPYC it was written on. Its lone row prefetches `ahead` k on, and its 8-lane tiles of 2+ rows may
+# run K in chunks so that each chunk of weights is read by every row tile while it is in L1 (`kc`; the AVX-512
+# tiles take 8 rows a pass and no chunks). Neither changes bits, so they are chosen like the bf16 prefetches: every
+# candidate timed here on random weights of the default target's shapes at 1, 4 and 16 rows, once, and cached.
+FP32_AHEAD = (16, 32, 64, 128)  # k a lone row prefetches ahead
+FP32_KC = (0, 64, 128, 256)  # k per chunk of the 8-lane multi-row tiles (0: the whole K)
+# the built-in stream stays unless a candidate is this much faster over the row counts: on the AVX2 EPYC every
+# candidate timed within 2-3% of it, the spread of repeated timings of one setting
+FP32_MARGIN = 0.03
+
+
+@dataclass(frozen=True)
+class Fp32Stream:
+    ahead: int = 32
+    kc: int = 0
+
+    def name(self) -> str:
+        tiles = "whole-K tiles" if not self.kc else f"tiles in {self.kc}-k chunks"
+        return f"fp32 stream: 1 row {self.ahead} k ahead, {tiles}"
+
+
+FP32_BUILT_IN = Fp32Stream()
+_fp32_applied: Fp32Stream | None = None
+_fp32_report: dict | None = None
+
+
+def fp32_apply(s: Fp32Stream) -> None:
+    extension.fp32_stream(ahead=s.ahead, kc=s.kc)
+
+
+def fp32_candidates() -> list[Fp32Stream]:
+    kcs = (0,) if extension.avx512_tiles() else FP32_KC
+    return [Fp32Stream(a, c) for a in FP32_AHEAD for c in kcs]
+
+
+def fp32_cache_path(weights: str = "fp32") -> Path:
+    """Per CPU, torch, threads, the fp32 kernel's source and the stored weights' type (their bytes per k differ)."""
+    from drafthead.assets import kernel_cache_dir
+    key = cache_key("fp32", hardware.cpu_capability(), weights)
+    return kernel_cache_dir() / "kernel_probe" / f"fp32-{key}.json"
+
+
+def _fp32_pass_timer(probe_mb: int, weights: str = "fp32"):
+    from drafthead.kernels import cpu_linear
+    g = torch.Generator().manual_seed(0)
+    per = sum(n * k for n, k in SHAPES) * {"fp32": 4, "bf16": 2, "int8": 1}[weights]
+    packed = []
+    for _ in range(max(1, probe_mb * 2**20 // per)):
+        for n, k in SHAPES:
+            stored, scale, _ = cpu_linear.compress(torch.rand(n, k, generator=g) - 0.5, weights)
+            packed.append((cpu_linear.pack_fp32(stored), scale, n, k))
+    xs = {(r, k): torch.rand(r, k, generator=g) - 0.5 for r in ROWS for _, k in SHAPES}
+
+    def run(r: int) -> None:
+        for p, scale, n, k in packed:
+            cpu_linear.linear_fp32(xs[(r, k)], p, n, scale)
+
+    def timer(s: Fp32Stream, r: int) -> float:
+        fp32_apply(s)
+        run(r)  # the first pass after a switch warms the caches' state for it; not timed
+        t0 = time.perf_counter()
+        run(r)
+        return (time.perf_counter() - t0) * 1e3
+    return timer
+
+
+def fp32_tuned(weights: str = "fp32") -> Fp32Stream:
+    """The fp32 kernel's stream for this machine and weight storage, applied: from the cache, else measured now
+    (a few seconds, once) and cached. FP32_BUILT_IN where the probe is off or the fp32 kernel is unavailable."""
+    global _fp32_applied
+    if _fp32_applied is not None:
+        fp32_apply(_fp32_applied)
+        return _fp32_applied
+    if not extension.available("fp32") or os.environ.get("DRAFTHEAD_KERNEL_PROBE", "1") == "0":
+        _fp32_applied = FP32_BUILT_IN
+        if extension.available("fp32"):
+            fp32_apply(FP32_BUILT_IN)
+        return _fp32_applied
+
+    def read(path: Path) -> Fp32Stream | None:
+        global _fp32_report
+        got = _read_choice(path, Fp32Stream, fp32_candidates())
+        if got is None:
+            return None
+        _fp32_report = got[1]
+        return got[0]
+
+    def measure_and_cache(path: Path) -> Fp32Stream:
+        global _fp32_report
+        t0 = time.perf_counter()
+        ms = measure(fp32_candidates(), timer=_fp32_pass_timer(PROBE_MB, weights))
+        s, per_rows = choose(ms, FP32_BUILT_IN, FP32_MARGIN)
+        _fp32_report = _probe_report(s, per_rows, ms, t0, weights=weights)
+        _write(path, _fp32_report)
+        return s
+
+    s = _cached_or_measured(fp32_cache_path(weights), read, measure_and_cache)
+    fp32_apply(s)
+    _fp32_applied = s
+    return s
+
+
+def fp32_report() -> dict | None:
+    """What `fp32_tuned()` chose and measured (None before it ran or where the probe is off)."""
+    return _fp32_report
+
+
+def fp32_describe() -> str:
+    s = _fp32_applied or FP32_BUILT_IN
+    return f"{s.name()} ({'built in' if _fp32_report is None else 'probed here'})"

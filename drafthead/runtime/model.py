@@ -116,6 +116,8 @@ class TargetModel:
         self.weights = weights or "fp32"
         if weights is not None and weights != "fp32":
             self._compress(weights)
+        if self.kernel == "fp32":  # how it streams these weights, as timed on this machine (once, then cached)
+            probe.fp32_tuned(self.weights)
         # decode and verify forwards through static buffers, replayed as CUDA graphs (`runtime/graphs.py`); None
         # runs every forward eagerly (CPU; CUDA with DRAFTHEAD_CUDA_GRAPHS=0). Tests set a graph-less one on CPU.
         self.static: graphs.StaticForward | None = (graphs.StaticForward(self, graphs=True)
@@ -200,7 +202,7 @@ class TargetModel:
             return "prompts and generated tokens: torch (oneDNN on CPU)"
         prompts = (f"the {self.kernel} decode kernel" if self.prompt_kernel
                    else "oneDNN (AMX tiles)")
-        tuned = f" ({probe.describe()})" if self.kernel == "bf16" else ""
+        tuned = f" ({probe.describe() if self.kernel == 'bf16' else probe.fp32_describe()})"
         return (f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel{tuned} (row-invariant), "
                 f"packed weights on {hugepages.pages()}")
 
