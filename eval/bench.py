@@ -428,7 +428,7 @@ def run_bench(cfg: BenchConfig, target: Any = None, drafter: Any = None, generat
               "bandwidth_bound": bound,
               "compute_rate": compute,
               "kernel_probe": (probe.report() if tm.kernel == "bf16" else
-                               probe.fp32_report() if tm.kernel == "fp32" else None),
+                               probe.fp32_report(tm.weights) if tm.kernel == "fp32" else None),
               "verify_cost_hf": hf_curve,
               "definitions": DEFINITIONS}
     print(format_table(result))

@@ -179,8 +179,8 @@ def fresh_fp32_probe(tmp_path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("DRAFTHEAD_KERNEL_CACHE", str(tmp_path))
     monkeypatch.delenv("DRAFTHEAD_KERNEL_PROBE", raising=False)
     before = extension.fp32_stream()
-    monkeypatch.setattr(probe, "_fp32_applied", None)
-    monkeypatch.setattr(probe, "_fp32_report", None)
+    monkeypatch.setattr(probe, "_fp32_applied", {})
+    monkeypatch.setattr(probe, "_fp32_report", {})
     yield tmp_path
     extension.fp32_stream(**before)
 
@@ -207,14 +207,14 @@ def test_fp32_stream_is_measured_once_per_weight_storage_cached_and_applied(fres
     on_disk = json.loads(probe.fp32_cache_path().read_text())
     assert on_disk["chosen"] == {"ahead": fast.ahead, "kc": fast.kc} and on_disk["weights"] == "fp32"
     assert on_disk["rows"]["16"]["built_in_ms"] is not None and "probed here" in probe.fp32_describe()
-    monkeypatch.setattr(probe, "_fp32_applied", None)
+    monkeypatch.setattr(probe, "_fp32_applied", {})  # a new process
     extension.fp32_stream(ahead=32, kc=0)
     n = len(calls)
     assert probe.fp32_tuned() == fast and len(calls) == n and extension.fp32_stream()["ahead"] == fast.ahead
     assert probe.fp32_cache_path("int8") != probe.fp32_cache_path()  # another storage streams other bytes per k
-    monkeypatch.setattr(probe, "_fp32_applied", None)
-    probe.fp32_tuned("int8")
-    assert len(calls) > n and probe.fp32_cache_path("int8").is_file()
+    probe.fp32_tuned("int8")  # in the same process: measured for its own storage, not the fp32 choice reused
+    assert len(calls) > n and probe.fp32_cache_path("int8").is_file() and probe.fp32_report("int8")["weights"] == "int8"
+    assert probe.fp32_report()["weights"] == "fp32"
 
 
 def test_fp32_probe_off_keeps_the_built_in_stream(fresh_fp32_probe, monkeypatch: pytest.MonkeyPatch) -> None:

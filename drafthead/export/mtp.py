@@ -275,9 +275,8 @@ def zero_qkv_bias(state: dict[str, torch.Tensor], attns: list[str]) -> dict[str,
 
 
 def as_layout(tgt: TargetCheckpoint, want: str) -> TargetCheckpoint:
-    """The target as the export writes it for `layout=want` (module docstring): itself, or written as MiMo."""
-    if want not in LAYOUTS:
-        raise ExportError(f"layout={want!r}: choose one of {', '.join(LAYOUTS)}")
+    """The target as the export writes it for `layout=want`, one of LAYOUTS (module docstring): itself, or written
+    as MiMo."""
     own = layout(tgt.hf_config)
     # served as it is: an MTP model type (a config that declares MTP layers, not one drafthead gave them)
     served = own in ("mtp", "mimo") or (native_mtp_layers(_text(tgt.hf_config)) > 0

@@ -170,10 +170,15 @@ def _pass_timer(probe_mb: int):
     def run(r: int) -> None:
         for p, n, k in weights:
             cpu_linear.linear(xs[(r, k)], p, n, stream=True)
+    return _second_pass_timer(apply, run)
 
-    def timer(s: Setting, r: int) -> float:
-        apply(s)
-        run(r)  # the first pass after a switch warms the instruction paths; not timed
+
+def _second_pass_timer(apply_, run):
+    """timer(setting, rows) -> ms of `run(rows)` with `setting` applied, the pass after a first untimed one (which
+    warms the instruction paths and caches for the switch)."""
+    def timer(s: Any, r: int) -> float:
+        apply_(s)
+        run(r)
         t0 = time.perf_counter()
         run(r)
         return (time.perf_counter() - t0) * 1e3
@@ -312,8 +317,10 @@ class Fp32Stream:
 
 
 FP32_BUILT_IN = Fp32Stream()
-_fp32_applied: Fp32Stream | None = None
-_fp32_report: dict | None = None
+# by weight storage: each streams other bytes per k and has its own cache file; the kernel holds one stream setting
+# per process, the one the last `fp32_tuned` applied
+_fp32_applied: dict[str, Fp32Stream] = {}
+_fp32_report: dict[str, dict] = {}
 
 
 def fp32_apply(s: Fp32Stream) -> None:
@@ -346,57 +353,47 @@ def _fp32_pass_timer(probe_mb: int, weights: str = "fp32"):
     def run(r: int) -> None:
         for p, scale, n, k in packed:
             cpu_linear.linear_fp32(xs[(r, k)], p, n, scale)
-
-    def timer(s: Fp32Stream, r: int) -> float:
-        fp32_apply(s)
-        run(r)  # the first pass after a switch warms the caches' state for it; not timed
-        t0 = time.perf_counter()
-        run(r)
-        return (time.perf_counter() - t0) * 1e3
-    return timer
+    return _second_pass_timer(fp32_apply, run)
 
 
 def fp32_tuned(weights: str = "fp32") -> Fp32Stream:
     """The fp32 kernel's stream for this machine and weight storage, applied: from the cache, else measured now
     (a few seconds, once) and cached. FP32_BUILT_IN where the probe is off or the fp32 kernel is unavailable."""
-    global _fp32_applied
-    if _fp32_applied is not None:
-        fp32_apply(_fp32_applied)
-        return _fp32_applied
+    if weights in _fp32_applied:
+        fp32_apply(_fp32_applied[weights])
+        return _fp32_applied[weights]
     if not extension.available("fp32") or os.environ.get("DRAFTHEAD_KERNEL_PROBE", "1") == "0":
-        _fp32_applied = FP32_BUILT_IN
+        _fp32_applied[weights] = FP32_BUILT_IN
         if extension.available("fp32"):
             fp32_apply(FP32_BUILT_IN)
-        return _fp32_applied
+        return FP32_BUILT_IN
 
     def read(path: Path) -> Fp32Stream | None:
-        global _fp32_report
         got = _read_choice(path, Fp32Stream, fp32_candidates())
         if got is None:
             return None
-        _fp32_report = got[1]
+        _fp32_report[weights] = got[1]
         return got[0]
 
     def measure_and_cache(path: Path) -> Fp32Stream:
-        global _fp32_report
         t0 = time.perf_counter()
         ms = measure(fp32_candidates(), timer=_fp32_pass_timer(PROBE_MB, weights))
         s, per_rows = choose(ms, FP32_BUILT_IN, FP32_MARGIN)
-        _fp32_report = _probe_report(s, per_rows, ms, t0, weights=weights)
-        _write(path, _fp32_report)
+        _fp32_report[weights] = _probe_report(s, per_rows, ms, t0, weights=weights)
+        _write(path, _fp32_report[weights])
         return s
 
     s = _cached_or_measured(fp32_cache_path(weights), read, measure_and_cache)
     fp32_apply(s)
-    _fp32_applied = s
+    _fp32_applied[weights] = s
     return s
 
 
-def fp32_report() -> dict | None:
-    """What `fp32_tuned()` chose and measured (None before it ran or where the probe is off)."""
-    return _fp32_report
+def fp32_report(weights: str = "fp32") -> dict | None:
+    """What `fp32_tuned(weights)` chose and measured (None before it ran or where the probe is off)."""
+    return _fp32_report.get(weights)
 
 
-def fp32_describe() -> str:
-    s = _fp32_applied or FP32_BUILT_IN
-    return f"{s.name()} ({'built in' if _fp32_report is None else 'probed here'})"
+def fp32_describe(weights: str = "fp32") -> str:
+    s = _fp32_applied.get(weights, FP32_BUILT_IN)
+    return f"{s.name()} ({'probed here' if weights in _fp32_report else 'built in'})"

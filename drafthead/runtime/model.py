@@ -202,7 +202,7 @@ class TargetModel:
             return "prompts and generated tokens: torch (oneDNN on CPU)"
         prompts = (f"the {self.kernel} decode kernel" if self.prompt_kernel
                    else "oneDNN (AMX tiles)")
-        tuned = f" ({probe.describe() if self.kernel == 'bf16' else probe.fp32_describe()})"
+        tuned = f" ({probe.describe() if self.kernel == 'bf16' else probe.fp32_describe(self.weights)})"
         return (f"prompts: {prompts}; generated tokens: the {self.kernel} decode kernel{tuned} (row-invariant), "
                 f"packed weights on {hugepages.pages()}")
 
