@@ -127,6 +127,15 @@ def test_bad_ranges_and_argument_shape():
     with pytest.raises(ConfigError,
                        match=r"unknown config key 'drafter\.draft_vocab_size'.*'drafter\.eagle3\.draft_vocab_size'"):
         load_config(["drafter.draft_vocab_size=64"])
+    # another family's option (a Domino key on an EAGLE3 run) would be read by nothing: named before anything loads
+    with pytest.raises(ConfigError, match=r"'drafter\.domino\.gru_hidden_dim' is an option of the domino drafter, "
+                                          r"but this run trains drafter\.family=eagle3: set drafter\.family=domino"):
+        load_config(["drafter.domino.gru_hidden_dim=128"])
+    assert load_config(["recipe=domino_smollm2", "drafter.domino.gru_hidden_dim=128"]).drafter.domino.gru_hidden_dim \
+        == 128
+    with pytest.raises(ConfigError, match=r"'drafter\.dflash\.num_anchors' is an option of the dflash drafter, "
+                                          r"but this run trains drafter\.family=domino"):
+        load_config(["recipe=domino_smollm2", "drafter.dflash.num_anchors=64"])
     with pytest.raises(ConfigError, match=r"key=value.*'max_steps'"):
         load_config(["max_steps"])
     with pytest.raises(ConfigError, match=r"key=value \(or --help\), got \[.=4.\]"):  # a value without its key

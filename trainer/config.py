@@ -179,7 +179,21 @@ def load_config(argv: list[str] | None = None) -> RunConfig:
         cfg.recipe = Path(recipe).stem if recipe.endswith((".yaml", ".yml")) else recipe
     cfg.output_dir = cfg.output_dir or f"runs/{cfg.recipe}"
     validate(cfg)
+    _other_family_keys(pairs, cfg.drafter.family)
     return cfg
+
+
+def _other_family_keys(pairs: dict[str, Any], family: str) -> None:
+    """A typed `drafter.<F>.*` key for a family F the run does not train would be read by nothing (every family's
+    section exists in the schema, so the parse takes it): name it instead of training something else quietly."""
+    from drafthead.registry import FAMILIES
+
+    for key in pairs:
+        parts = key.split(".")
+        if len(parts) > 2 and parts[0] == "drafter" and parts[1] in FAMILIES and parts[1] != family:
+            raise ConfigError(f"'{key}' is an option of the {parts[1]} drafter, but this run trains "
+                              f"drafter.family={family}: set drafter.family={parts[1]} (or a {parts[1]} recipe), "
+                              f"or drop the key")
 
 
 def help_text(argv: list[str], entry: str = "drafthead train") -> str:
