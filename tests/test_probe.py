@@ -225,6 +225,20 @@ def test_fp32_probe_off_keeps_the_built_in_stream(fresh_fp32_probe, monkeypatch:
     assert not list(fresh_fp32_probe.glob("kernel_probe/*")) and "built in" in probe.fp32_describe()
 
 
+def test_a_bf16_setting_within_the_margin_keeps_the_built_in_one() -> None:
+    """The probe's passes stream weights alone, so a T0/T1 prefetch that evicts a forward's own data looks free
+    there: a candidate ahead of the built-in setting by less than BF16_MARGIN (here the EPYC's real table: T1 64 ahead
+    by 0.8% of the sum) leaves it in place; AMX tiles twice as fast still replace it."""
+    from drafthead.kernels.probe import BF16_MARGIN, BUILT_IN
+    t1, amx = Setting("avx512", "t1", 64), Setting("amx", "t0", 16)
+    epyc = _ms({BUILT_IN: (7.110, 7.274, 11.877), t1: (7.179, 7.205, 11.612),
+                Setting("avx512", "t1", 32): (6.809, 7.203, 12.284)})
+    assert probe.choose(epyc)[0] != BUILT_IN  # the least sum alone follows the noise
+    assert probe.choose(epyc, BUILT_IN, BF16_MARGIN)[0] == BUILT_IN
+    xeon = _ms({BUILT_IN: (22.4, 19.1, 56.9), amx: (10.6, 10.7, 11.4)})
+    assert probe.choose(xeon, BUILT_IN, BF16_MARGIN)[0] == amx
+
+
 def test_a_candidate_within_the_margin_keeps_the_built_in_stream() -> None:
     """Stream settings that time within the noise of one another: the built-in one stays (a choice made by noise
     would differ from machine to machine for nothing); one faster beyond the margin replaces it."""
