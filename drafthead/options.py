@@ -223,3 +223,18 @@ def help_text(usage: str, about: str | None, obj: Any, notes: str = "") -> str:
     if notes:
         lines += ["", notes.strip()]
     return "\n".join(lines)
+
+
+def script_options(cls: type, argv: list[str], usage: str, about: str | None) -> Any | None:
+    """A script's arguments into `cls`, the commands' way: None after printing `--help` (the caller returns), and a
+    bad key or value ends the script with exit code 2 and a line naming it, before anything loads."""
+    import sys
+
+    if wants_help(argv):
+        print(help_text(usage, about, cls()))
+        return None
+    try:
+        return parse(cls, argv)
+    except ValueError as e:
+        print(f"{usage.split()[1] if ' ' in usage else usage}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -19,18 +19,32 @@ import statistics
 import sys
 import time
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
-from drafthead import hardware
+from drafthead import hardware, options
 from drafthead.eval.bench import read_bandwidth
 from drafthead.kernels import cpu_linear, extension, hugepages, probe
 
-DEFAULTS = dict(rows=[1, 2, 4, 8, 12, 16, 24, 32, 48, 64], layers=30, hidden=576, kv=192, ffn=1536, repeats=7,
-                threads=None, only="", prefetch="tuned")
-# only: run the methods whose name contains this text; prefetch: how the bf16 kernel prefetches a target's weights,
-# "tuned" (what kernels/probe.py chose on this machine, measured now if not cached) or "built_in" (NTA 32 ahead)
+USAGE = "python scripts/bench_cpu_linear.py [key=value ...]"
+
+
+@dataclass
+class Config:
+    rows: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 12, 16, 24, 32, 48, 64])  # rows of x per call
+    layers: int = 30  # decoder layers of projections a pass streams
+    hidden: int = 576  # the model's width (SmolLM2-135M's by default)
+    kv: int = 192  # width of the k and v projections
+    ffn: int = 1536  # width of the gate and up projections
+    repeats: int = 7  # timed passes per method and row count (the median is kept)
+    threads: int | None = None  # torch threads (null: torch's default)
+    only: str = ""  # run only the methods whose name contains this text
+
+    # how the bf16 kernel prefetches a target's weights: tuned (what kernels/probe.py chose on this machine, measured
+    # now if not cached) or built_in (NTA 32 ahead)
+    prefetch: str = "tuned"
 
 
 def shapes(c) -> list[tuple[int, int]]:
@@ -50,7 +64,11 @@ def timed(fn, repeats: int) -> float:
 
 
 def main(argv: list[str]) -> int:
-    c = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    c = options.script_options(Config, argv, USAGE, __doc__)
+    if c is None:
+        return 0
+    if c.prefetch not in ("tuned", "built_in"):
+        raise SystemExit(f"bench_cpu_linear: prefetch is tuned or built_in, got {c.prefetch!r}")
     if c.threads:
         torch.set_num_threads(int(c.threads))
     g = torch.Generator().manual_seed(0)

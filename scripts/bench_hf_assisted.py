@@ -12,17 +12,27 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 import torch
-from omegaconf import OmegaConf
 
-from drafthead import hardware
+from drafthead import hardware, options
 from drafthead.export import export
 from drafthead.target import load_target
 from drafthead.eval.datasets import load_mt_bench
 
-DEFAULTS = dict(draft=None, target=None, max_prompts=8, max_new_tokens=128, num_assistant_tokens=[2, 4],
-                dtype="float32", threads=None)
+USAGE = "python scripts/bench_hf_assisted.py draft=RUN/final [key=value ...]"
+
+
+@dataclass
+class Config:
+    draft: str | None = None  # a LoRA self-draft's run folder (required; exported with to=hf here)
+    target: str | None = None  # the target (null: the one the draft was trained on)
+    max_prompts: int = 8  # MT-Bench first turns
+    max_new_tokens: int = 128  # tokens each prompt decodes
+    num_assistant_tokens: list[int] = field(default_factory=lambda: [2, 4])  # HF's drafts per round, each timed
+    dtype: str = "float32"  # dtype of target and draft
+    threads: int | None = None  # torch threads (null: torch's default)
 
 
 def main(argv: list[str]) -> int:
@@ -30,9 +40,11 @@ def main(argv: list[str]) -> int:
 
     from drafthead.registry import read_draft_config
 
-    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    cfg = options.script_options(Config, argv, USAGE, __doc__)
+    if cfg is None:
+        return 0
     if not cfg.draft:
-        raise SystemExit("usage: python scripts/bench_hf_assisted.py draft=RUN/final [max_prompts=8 ...]")
+        raise SystemExit(f"usage: {USAGE}: draft= is required (--help lists the options)")
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     meta = read_draft_config(cfg.draft)["target"]

@@ -20,13 +20,13 @@ n_draft = B - 1 compares like with like. A standalone llama draft (LoRA) runs as
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-
-from omegaconf import OmegaConf
 
 from drafthead import hardware
 from drafthead.assets import asset_path
@@ -34,9 +34,25 @@ from drafthead.export import export
 from drafthead.export.llama_cpp import (chat_prompt, default_threads, llama_cpp_bin, run_speculative, run_target,
                                        verify_cost)
 
-DEFAULTS = dict(draft=None, target="smollm2-135m-instruct", outtype="f32", max_prompts=8, max_new_tokens=128,
-                n_draft=[1, 2, 3, 4], threads=None, depth=256, verify_sizes=[1, 2, 3, 4, 5, 8], repetitions=5,
-                ours=True, by_position=True, out=None, p_min=0.0)
+USAGE = "python scripts/bench_llama_cpp.py draft=DIR_OR_GGUF [key=value ...]"
+
+
+@dataclass
+class Config:
+    draft: str | None = None  # the draft: a run's folder (exported to GGUF here) or a GGUF file (required)
+    target: str = "smollm2-135m-instruct"  # the target: a built-in name, a GGUF file or a model folder
+    outtype: str = "f32"  # GGUF tensor type of the exported draft (f32, f16, bf16, q8_0)
+    max_prompts: int = 8  # MT-Bench first turns
+    max_new_tokens: int = 128  # tokens each prompt decodes
+    n_draft: list[int] = field(default_factory=lambda: [1, 2, 3, 4])  # llama.cpp's drafts per round, each timed
+    threads: int | None = None  # llama.cpp threads (null: 2, or 1 when the machine is busy)
+    depth: int = 256  # context tokens before the verify-cost curve's batch
+    verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 8])  # batch sizes of that curve
+    repetitions: int = 5  # llama-bench repetitions per batch size
+    ours: bool = True  # also run our runtime on the same draft and prompts
+    by_position: bool = True  # a verbose llama.cpp pass for its acceptance by draft position
+    out: str | None = None  # write the figures to this JSON file
+    p_min: float = 0.0  # --spec-draft-p-min of a standalone (draft-simple) draft
 # GGUF general.architecture -> --spec-type ("llama": a standalone draft model, llama.cpp's classic -md draft)
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "llama": "draft-simple"}
 
@@ -142,11 +158,13 @@ def _prefix_equal(a: str, b: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
-    unknown = set(cfg) - set(DEFAULTS)
-    if unknown or not cfg.draft:
-        print(f"usage: bench_llama_cpp.py draft=DIR_OR_GGUF [{' '.join(f'{k}=' for k in DEFAULTS if k != 'draft')}]"
-              + (f"\nunknown keys: {sorted(unknown)}" if unknown else ""), file=sys.stderr)
+    from drafthead import options
+
+    cfg = options.script_options(Config, argv, USAGE, __doc__)
+    if cfg is None:
+        return 0
+    if not cfg.draft:
+        print(f"usage: {USAGE}: draft= is required (--help lists the options)", file=sys.stderr)
         return 2
     if cfg.threads is None:
         cfg.threads = default_threads()  # 2, or 1 when the machine is busy (see default_threads)
@@ -221,7 +239,7 @@ def main(argv: list[str]) -> int:
     if cfg.out:
         from drafthead.io import atomic_write_json
 
-        atomic_write_json(cfg.out, {"settings": OmegaConf.to_container(cfg), "target_alone_tok_s": base_tok_s,
+        atomic_write_json(cfg.out, {"settings": dataclasses.asdict(cfg), "target_alone_tok_s": base_tok_s,
                                     "llama_cpp": rows, "verify_cost_s": curve, "predicted_tok_s": pred,
                                     "draft_step_s": draft_step,
                                     "best_n_draft_curve": best, "best_n_draft_measured": measured_best,

@@ -1,7 +1,7 @@
 """Regeneration throughput per engine: which one should write the target's answers on this machine.
 
-    python scripts/bench_regenerate.py [conversations=32] [max_new_tokens=256] [engines=ours,vllm,hf]
-                                       [batch_sizes=8,32] [dtype=auto] [target=smollm2-135m-instruct]
+    python scripts/bench_regenerate.py [conversations=32] [max_new_tokens=256] [engines=[ours,vllm,hf]]
+                                       [batch_sizes=[8,32]] [dtype=auto] [target=smollm2-135m-instruct]
 
 The same first turns of ShareGPT conversations, greedy, through `drafthead.trainer.data.regenerate` with each
 engine at each batch size, one after the other (vLLM spins its threads: nothing may run beside it). Prints new
@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,15 +24,27 @@ from drafthead.trainer import data as tdata  # noqa: E402
 from drafthead.trainer import regenerate as tregen  # noqa: E402
 
 
-def main(argv: list[str]) -> None:
-    from drafthead.options import key_values
+USAGE = "python scripts/bench_regenerate.py [key=value ...]"
 
-    kv = key_values(argv)
-    n = int(kv.get("conversations", 32))
-    new = int(kv.get("max_new_tokens", 256))
-    engines = kv.get("engines", "ours,vllm,hf").split(",")
-    batches = [int(b) for b in kv.get("batch_sizes", "8,32").split(",")]
-    target = load_target(kv.get("target", "smollm2-135m-instruct"), dtype=kv.get("dtype", "auto"))
+
+@dataclass
+class Config:
+    conversations: int = 32  # ShareGPT conversations whose first turn each engine answers
+    max_new_tokens: int = 256  # answer tokens at most
+    engines: list[str] = field(default_factory=lambda: ["ours", "vllm", "hf"])  # engines, in the order they run
+    batch_sizes: list[int] = field(default_factory=lambda: [8, 32])  # each engine at each batch size
+    target: str = "smollm2-135m-instruct"  # the target: a built-in name or a path
+    dtype: str = "auto"  # the target's dtype (auto: bf16 where native, else fp32)
+
+
+def main(argv: list[str]) -> None:
+    from drafthead import options
+
+    cfg = options.script_options(Config, argv, USAGE, __doc__)
+    if cfg is None:
+        return
+    n, new, engines, batches = cfg.conversations, cfg.max_new_tokens, cfg.engines, cfg.batch_sizes
+    target = load_target(cfg.target, dtype=cfg.dtype)
     convs, _ = tdata.load_conversations("sharegpt", max_samples=n)
     print(f"{len(convs)} conversations, first turn, {new} new tokens at most, greedy; CPU class {cpu_class()}, "
           f"dtype {str(target.model.dtype).removeprefix('torch.')}")

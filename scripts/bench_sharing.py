@@ -88,14 +88,9 @@ def run_group(cfg: Config, name: str, n: int) -> list[dict]:
 def main() -> None:
     from drafthead import hardware, options
 
-    argv = sys.argv[1:]
-    if options.wants_help(argv):
-        print(options.help_text("python scripts/bench_sharing.py [key=value ...]", __doc__, Config()))
+    cfg = options.script_options(Config, sys.argv[1:], "python scripts/bench_sharing.py [key=value ...]", __doc__)
+    if cfg is None:
         return
-    try:
-        cfg = options.parse(Config, argv)
-    except ValueError as e:
-        raise SystemExit(f"bench_sharing: {e}") from None
     if cfg.child:
         return child(cfg)
     names = [s for s in cfg.settings.split(",") if s]

@@ -32,6 +32,13 @@ from drafthead.trainer.prepare import build_draft, feature_dtype, prepare_sample
 
 
 def main(argv: list[str]) -> None:
+    from drafthead.options import HELP_FLAGS, wants_help
+    from drafthead.trainer.config import help_text
+
+    if wants_help(argv):  # this script's own key, then the recipe's options as `drafthead train --help` lists them
+        print(f"{__doc__.strip()}\n\nbench.batches=6  batches timed per measurement\n")
+        print(help_text([a for a in argv if a not in HELP_FLAGS], entry="python scripts/bench_train.py"))
+        return
     n_batches = 6
     rest = []
     for a in argv:

@@ -22,17 +22,30 @@ import sys
 import time
 from collections import defaultdict
 
-import torch
-from omegaconf import OmegaConf
+from dataclasses import dataclass, field
 
-from drafthead import hardware
+import torch
+
+from drafthead import hardware, options
 from drafthead.kernels import cpu_linear, packing
 from drafthead.runtime import TargetModel
 from drafthead.target import load_target
 from drafthead.eval.bench import bandwidth_bound
 
-DEFAULTS = dict(target="smollm2-135m-instruct", dtype="auto", weights=None, rows=[1, 8], prefix=256, repeats=20,
-                threads=None, top=0, fused=False)  # top=N: also list the N operators with the most self time
+USAGE = "python scripts/profile_step.py [key=value ...]"
+
+
+@dataclass
+class Config:
+    target: str = "smollm2-135m-instruct"  # the target: a built-in name or a path
+    dtype: str = "auto"  # the target's dtype (auto: bf16 where native, else fp32)
+    weights: str | None = None  # weight storage of the decode kernel (null: as the runtime loads them; int8, bf16)
+    rows: list[int] = field(default_factory=lambda: [1, 8])  # new tokens per profiled forward
+    prefix: int = 256  # cached tokens before them
+    repeats: int = 20  # profiled forwards per row count
+    threads: int | None = None  # torch threads (null: torch's default)
+    top: int = 0  # also list the N operators with the most self time
+    fused: bool = False  # time the decoder layers as the runtime runs them (one call each)
 
 # operator name (substring) -> phase; the first match wins
 PHASES = [
@@ -56,7 +69,9 @@ def phase_of(name: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    cfg = options.script_options(Config, argv, USAGE, __doc__)
+    if cfg is None:
+        return 0
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     # the kernels are pybind calls, not torch operators, so the profiler would count them as Python time:

@@ -142,3 +142,31 @@ def test_the_checkouts_train_py_answers_help_too():
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("usage: python train.py [recipe=NAME]") and "drafter.family=dflash " in r.stdout
+
+
+KEY_VALUE_SCRIPTS = ("bench_cpu_linear", "bench_hf_assisted", "bench_llama_cpp", "bench_regenerate", "bench_sharing",
+                     "profile_step")
+
+
+def test_every_script_answers_help_and_names_a_mistyped_key():
+    """The scripts read `key=value` through the commands' parser: `--help` lists each option with its doc and runs
+    nothing (a bench that ran on --help took minutes), and a mistyped key stops it before anything loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = sorted(p.stem for p in (root / "scripts").glob("*.py"))
+    assert set(KEY_VALUE_SCRIPTS) <= set(scripts)
+    for name in scripts:
+        r = subprocess.run([sys.executable, f"scripts/{name}.py", "--help"], cwd=root, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "usage" in r.stdout.lower(), (name, r.stderr[-2000:])
+        if name in KEY_VALUE_SCRIPTS:
+            assert "options (key=default):" in r.stdout, name
+            assert all(not line.startswith("  ") or len(line.split(None, 1)) == 2 for line in
+                       r.stdout.split("options (key=default):")[1].splitlines()), (name, "an option without a doc")
+    for name in KEY_VALUE_SCRIPTS:
+        r = subprocess.run([sys.executable, f"scripts/{name}.py", "repeatz=3"], cwd=root, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 2 and "unknown config key 'repeatz'" in r.stderr, (name, r.returncode, r.stderr[-2000:])
