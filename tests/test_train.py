@@ -48,6 +48,8 @@ def args(run_dir: Path, target_dir: Path, data: Path, **over) -> list[str]:
           "train.min_lr_ratio": 0.0, "train.dtype": "float32", "train.deepspeed": "null",
           "logging.wandb": "false", "logging.progress": "false", "logging.log_every": 1, "budget.minutes": "null",
           "train.choose_serving": "false", "output_dir": run_dir, **over}  # the serving timing: full_run's only
+    if over.get("drafter.family", "eagle3") != "eagle3":  # another family's keys are an error (nothing reads them)
+        kv = {k: v for k, v in kv.items() if not k.startswith("drafter.eagle3.")}
     return [f"{k}={v}" for k, v in kv.items()]
 
 
