@@ -148,25 +148,39 @@ KEY_VALUE_SCRIPTS = ("bench_cpu_linear", "bench_hf_assisted", "bench_llama_cpp",
                      "profile_step")
 
 
-def test_every_script_answers_help_and_names_a_mistyped_key():
+def _run_script(path, argv: list[str], capsys) -> tuple[int, str, str]:
+    """A script run as `python scripts/X.py ARGV` would run it, in this process (one torch import for all)."""
+    import runpy
+    import sys
+
+    saved = sys.argv
+    sys.argv = [str(path), *argv]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_every_script_answers_help_and_names_a_mistyped_key(capsys):
     """The scripts read `key=value` through the commands' parser: `--help` lists each option with its doc and runs
     nothing (a bench that ran on --help took minutes), and a mistyped key stops it before anything loads."""
-    import subprocess
-    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    scripts = sorted(p.stem for p in (root / "scripts").glob("*.py"))
-    assert set(KEY_VALUE_SCRIPTS) <= set(scripts)
-    for name in scripts:
-        r = subprocess.run([sys.executable, f"scripts/{name}.py", "--help"], cwd=root, capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0 and "usage" in r.stdout.lower(), (name, r.stderr[-2000:])
-        if name in KEY_VALUE_SCRIPTS:
-            assert "options (key=default):" in r.stdout, name
+    scripts = sorted((root / "scripts").glob("*.py"))
+    assert set(KEY_VALUE_SCRIPTS) <= {p.stem for p in scripts}
+    for path in scripts:
+        code, out, err = _run_script(path, ["--help"], capsys)
+        assert code == 0 and "usage" in out.lower(), (path.stem, code, err[-2000:])
+        if path.stem in KEY_VALUE_SCRIPTS:
+            assert "options (key=default):" in out, path.stem
             assert all(not line.startswith("  ") or len(line.split(None, 1)) == 2 for line in
-                       r.stdout.split("options (key=default):")[1].splitlines()), (name, "an option without a doc")
+                       out.split("options (key=default):")[1].splitlines()), (path.stem, "an option without a doc")
     for name in KEY_VALUE_SCRIPTS:
-        r = subprocess.run([sys.executable, f"scripts/{name}.py", "repeatz=3"], cwd=root, capture_output=True,
-                           text=True, timeout=120)
-        assert r.returncode == 2 and "unknown config key 'repeatz'" in r.stderr, (name, r.returncode, r.stderr[-2000:])
+        code, _, err = _run_script(root / "scripts" / f"{name}.py", ["repeatz=3"], capsys)
+        assert code == 2 and "unknown config key 'repeatz'" in err, (name, code, err[-2000:])
