@@ -18,7 +18,6 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-
 from dataclasses import dataclass, field
 
 import torch

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from drafthead import hardware
+from drafthead import hardware, options
 from drafthead.assets import asset_path
 from drafthead.export import export
 from drafthead.export.llama_cpp import (chat_prompt, default_threads, llama_cpp_bin, run_speculative, run_target,
@@ -53,6 +53,8 @@ class Config:
     by_position: bool = True  # a verbose llama.cpp pass for its acceptance by draft position
     out: str | None = None  # write the figures to this JSON file
     p_min: float = 0.0  # --spec-draft-p-min of a standalone (draft-simple) draft
+
+
 # GGUF general.architecture -> --spec-type ("llama": a standalone draft model, llama.cpp's classic -md draft)
 SPEC_TYPES = {"eagle3": "draft-eagle3", "dflash": "draft-dflash", "llama": "draft-simple"}
 
@@ -158,8 +160,6 @@ def _prefix_equal(a: str, b: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    from drafthead import options
-
     cfg = options.script_options(Config, argv, USAGE, __doc__)
     if cfg is None:
         return 0

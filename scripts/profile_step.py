@@ -21,7 +21,6 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-
 from dataclasses import dataclass, field
 
 import torch

@@ -64,7 +64,7 @@ def measure_rates(samples: list[dict], batch_size: int, batches: int, features: 
             for x in items:
                 fn(x)
             took.append(time.perf_counter() - t)
-        return sum(ntok) / statistics.mean(took)  # [first pass: shapes new, second: warm]
+        return sum(ntok) / statistics.mean(took)  # the first pass meets new shapes, the second warm ones
 
     capture, feats = rate(features, pick, 1)
     train = two_pass_rate(step, feats)
