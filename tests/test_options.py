@@ -160,10 +160,13 @@ def _run_script(path, argv: list[str], capsys) -> tuple[int, str, str]:
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        said = "" if isinstance(e.code, int) or e.code is None else str(e.code)  # what Python prints on exit
+    else:
+        said = ""
     finally:
         sys.argv = saved
     out = capsys.readouterr()
-    return code, out.out, out.err
+    return code, out.out, out.err + said
 
 
 def test_every_script_answers_help_and_names_a_mistyped_key(capsys):
@@ -184,3 +187,5 @@ def test_every_script_answers_help_and_names_a_mistyped_key(capsys):
     for name in KEY_VALUE_SCRIPTS:
         code, _, err = _run_script(root / "scripts" / f"{name}.py", ["repeatz=3"], capsys)
         assert code == 2 and "unknown config key 'repeatz'" in err, (name, code, err[-2000:])
+    code, _, err = _run_script(root / "scripts" / "bench_cpu_linear.py", ["prefetch=fast"], capsys)
+    assert code == 1 and "prefetch is tuned or built_in, got 'fast'" in err
